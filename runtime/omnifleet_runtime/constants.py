@@ -1,0 +1,59 @@
+"""Names and numbers the operator and the runtime must agree on.
+
+Light on purpose: imported by the operator, the renderer and every runtime
+process. Nothing here imports anything beyond the standard library.
+"""
+
+GROUP = "omnifleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "OmniPipeline"
+PLURAL = "omnipipelines"
+SINGULAR = "omnipipeline"
+SHORT_NAMES = ["omnip"]
+CATEGORIES = ["omnifleet"]
+
+# Ports are fixed and declared so Services and NetworkPolicies can name them.
+MASTER_API_PORT = 8000
+MASTER_CONTROL_PORT = 5570  # ROUTER: registration, heartbeats, requests and results
+STAGE_DATA_PORT = 5580  # first stage data port in a pod; co-located stages add their index
+STAGE_HEALTH_PORT = 8081  # HTTP /livez and /readyz of a stage pod
+
+PORT_NAME_HTTP = "http"
+PORT_NAME_CONTROL = "zmq-control"
+PORT_NAME_DATA = "zmq-data"
+PORT_NAME_HEALTH = "health"
+
+# Where the operator mounts things and where the runtime looks for them.
+CONFIG_DIR = "/etc/omnifleet"
+CONFIG_FILE = "pipeline.yaml"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
+MODEL_DIR = "/models"
+SHM_DIR = "/dev/shm"
+
+# Wire protocol version; a stage whose version differs is refused at registration.
+PROTOCOL_VERSION = 1
+
+DEFAULT_IMAGE = "ghcr.io/omnifleet/omnifleet:0.1.0"
+FIELD_MANAGER = "omnifleet"
+
+# Label and annotation keys.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PIPELINE = "omnifleet.dev/pipeline"
+LABEL_STAGE = "omnifleet.dev/stage"
+LABEL_OF_COMPONENT = "omnifleet.dev/component"
+ANNOTATION_CONFIG_HASH = "omnifleet.dev/config-hash"
+ANNOTATION_TEMPLATE_HASH = "omnifleet.dev/template-hash"
+ANNOTATION_STAGES = "omnifleet.dev/stages"
+
+COMPONENT_MASTER = "master"
+COMPONENT_STAGE = "stage"
+
+# Environment the runtime reads (set by the renderer, and by the local runner).
+ENV_POD_NAME = "OMNIFLEET_POD_NAME"
+ENV_POD_NAMESPACE = "OMNIFLEET_NAMESPACE"
+ENV_POD_IP = "OMNIFLEET_POD_IP"  # advertised for stage-to-stage data

@@ -1,0 +1,218 @@
+"""Parse and check pipeline documents; every problem names its field path.
+
+`check_spec` repeats, in Python, each CEL rule the CRD carries, and adds what
+CEL cannot say (the graph is acyclic, GPU memory shares of co-located stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import pydantic
+
+from .schema import OmniPipeline, PipelineSpec
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class InvalidPipeline(ValueError):
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(map(str, problems)))
+
+
+def format_loc(loc: Iterable[Any], root: str = "") -> str:
+    path = root
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _pydantic_problems(err: pydantic.ValidationError, root: str) -> list[Problem]:
+    out = []
+    for e in err.errors(include_url=False):
+        # Unions and custom types add synthetic loc parts like 'function-after[...]'.
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and "[" in p)]
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append(Problem(format_loc(loc, root), msg))
+    return sorted(set(out))
+
+
+def parse_spec(spec: Any, root: str = "spec") -> tuple[PipelineSpec | None, list[Problem]]:
+    try:
+        parsed = PipelineSpec.model_validate(spec)
+    except pydantic.ValidationError as err:
+        return None, _pydantic_problems(err, root)
+    return parsed, check_spec(parsed, root)
+
+
+def parse_pipeline(doc: Any) -> tuple[OmniPipeline | None, list[Problem]]:
+    """Parse a whole OmniPipeline document; problems instead of exceptions."""
+    if not isinstance(doc, dict):
+        return None, [Problem("(document)", "expected a mapping with apiVersion, kind, metadata and spec")]
+    try:
+        parsed = OmniPipeline.model_validate(doc)
+    except pydantic.ValidationError as err:
+        return None, _pydantic_problems(err, "")
+    problems = check_spec(parsed.spec, "spec")
+    return (None if problems else parsed), problems
+
+
+def load_pipeline(doc: Any) -> OmniPipeline:
+    parsed, problems = parse_pipeline(doc)
+    if problems or parsed is None:
+        raise InvalidPipeline(problems)
+    return parsed
+
+
+def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
+    problems: list[Problem] = []
+    add = lambda path, msg: problems.append(Problem(f"{root}.{path}", msg))  # noqa: E731
+    index = {}
+    for i, s in enumerate(spec.stages):
+        if s.name in index:
+            add(f"stages[{i}].name", f"duplicate stage name {s.name!r} (also stages[{index[s.name]}])")
+        else:
+            index[s.name] = i
+
+    for i, s in enumerate(spec.stages):
+        at = f"stages[{i}]"
+        if s.type in ("python", "torch") and not s.entrypoint:
+            add(f"{at}.entrypoint", f"required for {s.type} stages (module:callable)")
+        if s.type == "llm" and s.entrypoint:
+            add(f"{at}.entrypoint", "not used by llm stages")
+        if s.replicas is not None and s.autoscaling is not None:
+            add(f"{at}.autoscaling", "set replicas or autoscaling, not both")
+        if s.autoscaling and s.autoscaling.min_replicas > s.autoscaling.max_replicas:
+            add(f"{at}.autoscaling.minReplicas", "must not exceed maxReplicas")
+        for j, name in enumerate(s.inputs):
+            if name == s.name:
+                add(f"{at}.inputs[{j}]", "a stage cannot be its own input")
+            elif name not in index:
+                add(f"{at}.inputs[{j}]", f"no stage named {name!r}")
+        if len(set(s.inputs)) != len(s.inputs):
+            add(f"{at}.inputs", "lists a stage more than once")
+        if s.colocate_with is not None:
+            for field in ("gpus", "replicas", "autoscaling"):
+                if getattr(s, field) is not None:
+                    add(f"{at}.{field}", f"a co-located stage shares its host's {field}; do not set it")
+            host = s.colocate_with
+            if host == s.name:
+                add(f"{at}.colocateWith", "a stage cannot be co-located with itself")
+            elif host not in index:
+                add(f"{at}.colocateWith", f"no stage named {host!r}")
+            elif spec.stages[index[host]].colocate_with is not None:
+                add(f"{at}.colocateWith", f"stage {host!r} is itself co-located; name its host instead")
+            elif s.image is not None and s.image != (spec.stages[index[host]].image or spec.image):
+                add(f"{at}.image", f"a co-located stage runs in the container of {host!r} and uses its image")
+
+    entries = [s.name for s in spec.stages if not s.inputs]
+    if len(entries) != 1:
+        add("stages", f"exactly one stage must have no inputs (the entry stage); found {len(entries)}: {entries}")
+    if not any(s.final_output != "none" for s in spec.stages):
+        add("stages", "at least one stage must have a finalOutput")
+
+    cycle = _find_cycle({s.name: [i for i in s.inputs if i in index] for s in spec.stages})
+    if cycle:
+        add(f"stages[{index[cycle[0]]}].inputs", "the stage graph has a cycle: " + " -> ".join(cycle))
+
+    for host in spec.hosts():
+        group = [s for s in spec.stages if s.name == host.name or s.colocate_with == host.name]
+        shares = {s.name: s.engine_args.get("gpu_memory_utilization") for s in group}
+        stated = {k: v for k, v in shares.items() if v is not None}
+        for name, v in stated.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                add(f"stages[{index[name]}].engineArgs.gpu_memory_utilization", f"must be a number in (0, 1], got {v!r}")
+        numeric = {k: v for k, v in stated.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if len(group) > 1 and sum(numeric.values()) > 1.0 + 1e-9:
+            parts = " + ".join(f"{k} {v}" for k, v in numeric.items())
+            add(
+                f"stages[{index[host.name]}].engineArgs.gpu_memory_utilization",
+                f"co-located stages share the GPUs of {host.name!r} but ask for {parts} = "
+                f"{sum(numeric.values()):.2f} > 1.0",
+            )
+    return sorted(set(problems))
+
+
+def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """A cycle in `stage -> its inputs` as a list of names ending where it starts."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in graph.get(n, []):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in graph:
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def topological_order(spec: PipelineSpec) -> list[str]:
+    """Stage names, each after all of its inputs (ties in spec order)."""
+    done: list[str] = []
+    remaining = list(spec.stages)
+    while remaining:
+        ready = [s for s in remaining if all(i in done for i in s.inputs)]
+        if not ready:
+            raise InvalidPipeline([Problem("spec.stages", "the stage graph has a cycle")])
+        done.extend(s.name for s in ready)
+        remaining = [s for s in remaining if s.name not in done]
+    return done
+
+
+def resolve(doc: OmniPipeline) -> OmniPipeline:
+    """Fill every default so the runtime reads exactly what the operator meant.
+
+    Idempotent: resolving a resolved document changes nothing.
+    """
+    spec = doc.spec
+    hosts = {s.name: s for s in spec.hosts()}
+    stages = []
+    for s in spec.stages:
+        update: dict[str, Any] = {"model": s.model or spec.model, "input_mode": s.effective_input_mode()}
+        if s.is_colocated:
+            update["image"] = hosts[s.colocate_with].image or spec.image
+        else:
+            update["image"] = s.image or spec.image
+            update["gpus"] = 1 if s.gpus is None else s.gpus
+            if s.autoscaling is None and s.replicas is None:
+                update["replicas"] = 1
+        stages.append(s.model_copy(update=update))
+    return doc.model_copy(update={"spec": spec.model_copy(update={"stages": stages})})
+
+
+def dump(doc: OmniPipeline) -> dict[str, Any]:
+    """The wire form (camelCase, no nulls) of a document."""
+    out = doc.model_dump(by_alias=True, exclude_none=True, mode="json")
+    meta = {"name": doc.metadata.name}
+    if doc.metadata.namespace:
+        meta["namespace"] = doc.metadata.namespace
+    out["metadata"] = meta
+    return out
