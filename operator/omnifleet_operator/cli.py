@@ -1,0 +1,128 @@
+"""The `omnifleet` command. Subcommands import their heavy parts lazily, so
+`omnifleet master` never loads kopf and `omnifleet render` never loads ZMQ."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .checks import check_document
+
+USAGE = """omnifleet COMMAND [ARGS]
+
+  validate -f FILE     check pipeline files; every problem with its field path
+  render -f FILE       print the Kubernetes objects the operator would apply
+  crd [-o FILE]        print (or write) the generated CustomResourceDefinition
+  operator [ARGS]      run the operator (kopf) against the current kubeconfig
+  run -f FILE          run a pipeline locally as plain processes
+  master ARGS          run a pipeline's master (in its pod)
+  stage ARGS           run one stage process group (in its pod)
+  dev up|down|status   a local Kubernetes control plane with the operator
+"""
+
+
+def load_documents(path: str) -> list[tuple[str, Any]]:
+    """(label, document) for each YAML document in a file ('-' is stdin)."""
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        raise SystemExit(f"{path}: not valid YAML: {err}") from None
+    if not docs:
+        raise SystemExit(f"{path}: no documents")
+    return [(path if len(docs) == 1 else f"{path}#{i}", d) for i, d in enumerate(docs)]
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    failed = 0
+    for path in args.file:
+        for label, doc in load_documents(path):
+            parsed, problems = check_document(doc)
+            if problems:
+                failed += 1
+                print(f"{label}: invalid, {len(problems)} problem(s)", file=sys.stderr)
+                for p in problems:
+                    print(f"  {p}", file=sys.stderr)
+            else:
+                s = parsed.spec
+                print(f"{label}: valid: pipeline {parsed.metadata.name!r}, {len(s.stages)} stage(s), "
+                      f"{len(s.hosts())} pod group(s)")
+    return 1 if failed else 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from .render import desired
+
+    out = []
+    for label, doc in load_documents(args.file):
+        parsed, problems = check_document(doc)
+        if problems:
+            for p in problems:
+                print(f"{label}: {p}", file=sys.stderr)
+            return 1
+        if args.namespace:
+            parsed = parsed.model_copy(update={"metadata": parsed.metadata.model_copy(
+                update={"namespace": args.namespace})})
+        out += desired(parsed)
+    from .yamlfmt import dump_all
+
+    sys.stdout.write(dump_all(out))
+    return 0
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    from .crd import crd_yaml
+
+    text = crd_yaml()
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    # Commands that own their argument parsing.
+    if cmd == "master":
+        from omnifleet_runtime.commands import master
+        return master(rest)
+    if cmd == "stage":
+        from omnifleet_runtime.commands import stage
+        return stage(rest)
+    if cmd == "run":
+        from .localrun import main as run_main
+        return run_main(rest)
+    if cmd == "operator":
+        from .handlers import main as operator_main
+        return operator_main(rest)
+    if cmd == "dev":
+        from .devcluster.commands import main as dev_main
+        return dev_main(rest)
+
+    parser = argparse.ArgumentParser(prog="omnifleet", usage=USAGE)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("validate")
+    p.add_argument("-f", "--file", action="append", required=True, help="pipeline file (repeatable, '-' for stdin)")
+    p.set_defaults(func=cmd_validate)
+    p = sub.add_parser("render")
+    p.add_argument("-f", "--file", required=True)
+    p.add_argument("-n", "--namespace", help="namespace of the pipeline (default: its own, else 'default')")
+    p.set_defaults(func=cmd_render)
+    p = sub.add_parser("crd")
+    p.add_argument("-o", "--output")
+    p.set_defaults(func=cmd_crd)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

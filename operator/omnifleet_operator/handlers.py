@@ -1,0 +1,218 @@
+"""kopf wiring: watch pipelines and their children, reconcile from a queue.
+
+Only `on.event` and `index` handlers are used, so kopf itself writes nothing:
+no finalizers, no bookkeeping annotations, no status fields of its own. kopf
+fills the indices before any event handler runs, so the first pass already
+sees every existing child and does not re-apply them after a restart.
+A fixed pool of workers drains a de-duplicating queue; a periodic resync
+re-checks every pipeline for drift and writes only differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from omnifleet_runtime import constants as C
+
+from .reconcile import Api, Children, reconcile
+
+log = logging.getLogger("omnifleet.operator")
+
+RESYNC_SECONDS = float(os.environ.get("OMNIFLEET_RESYNC_SECONDS", "60"))
+WORKERS = int(os.environ.get("OMNIFLEET_WORKERS", "8"))
+WATCH_TIMEOUT = float(os.environ.get("OMNIFLEET_WATCH_TIMEOUT", "300"))
+
+# (group, version, plural) of each kind the operator renders; pods only for status.
+CHILD_RESOURCES = [
+    ("", "v1", "serviceaccounts"),
+    ("", "v1", "configmaps"),
+    ("", "v1", "services"),
+    ("apps", "v1", "deployments"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+]
+OWNED = {C.LABEL_PIPELINE: kopf.PRESENT}
+Key = tuple[str, str]
+
+
+class WorkQueue:
+    """Each key at most once in the queue; a key changed while being worked on runs again after."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[Key] = asyncio.Queue()
+        self._queued: set[Key] = set()
+        self._active: set[Key] = set()
+        self._again: set[Key] = set()
+
+    def add(self, key: Key) -> None:
+        if key in self._active:
+            self._again.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    async def get(self) -> Key:
+        key = await self._queue.get()
+        self._queued.discard(key)
+        self._active.add(key)
+        return key
+
+    def done(self, key: Key) -> None:
+        self._active.discard(key)
+        if key in self._again:
+            self._again.discard(key)
+            self.add(key)
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+
+class State:
+    def __init__(self) -> None:
+        self.queue = WorkQueue()
+        self.pipelines: dict[Key, dict[str, Any]] = {}
+        self.indices: dict[str, Any] = {}
+        self.tasks: list[asyncio.Task] = []
+        self.api: Api | None = None
+        self.passes = 0
+        self.errors = 0
+
+
+STATE = State()
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    # kopf hands out a fresh raw dict per event, so a shallow copy is a stable snapshot.
+    return dict(body)
+
+
+def _register_index(group: str, version: str, plural: str) -> None:
+    def index(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
+        return {(namespace, labels[C.LABEL_PIPELINE]): _plain(body)}
+
+    kopf.index(group, version, plural, labels=OWNED, id=f"{plural}_idx")(index)
+
+    def changed(namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
+        _capture(kwargs)
+        STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
+
+    kopf.on.event(group, version, plural, labels=OWNED, id=f"{plural}_event")(changed)
+
+
+for _g, _v, _p in CHILD_RESOURCES:
+    _register_index(_g, _v, _p)
+
+
+@kopf.index("", "v1", "pods", labels=OWNED)
+def pods_idx(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
+    # Only what status needs: a pod's stage and its scheduling condition.
+    return {(namespace, labels[C.LABEL_PIPELINE]): {
+        "metadata": {"name": body["metadata"]["name"], "labels": dict(labels)},
+        "status": {"conditions": list((body.get("status") or {}).get("conditions") or [])},
+    }}
+
+
+@kopf.on.event("", "v1", "pods", labels=OWNED)
+def pods_event(namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
+    _capture(kwargs)
+    STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
+
+
+@kopf.on.event(C.GROUP, C.VERSION, C.PLURAL)
+def pipeline_event(event: dict[str, Any], namespace: str, name: str, body: Any, **kwargs: Any) -> None:
+    _capture(kwargs)
+    key = (namespace, name)
+    if event.get("type") == "DELETED":
+        STATE.pipelines.pop(key, None)
+        return  # children go by garbage collection (owner references)
+    STATE.pipelines[key] = _plain(body)
+    STATE.queue.add(key)
+
+
+def _capture(kwargs: dict[str, Any]) -> None:
+    if not STATE.indices:
+        STATE.indices = {k: v for k, v in kwargs.items() if k.endswith("_idx")}
+
+
+def children_of(key: Key) -> Children:
+    out = Children()
+    for name, index in STATE.indices.items():
+        if key not in index:
+            continue
+        target = out.pods if name == "pods_idx" else out.objects
+        target.extend(index[key])
+    return out
+
+
+async def _work() -> None:
+    while True:
+        key = await STATE.queue.get()
+        try:
+            body = STATE.pipelines.get(key)
+            if body is not None and not body["metadata"].get("deletionTimestamp"):
+                outcome = await reconcile(STATE.api, body, children_of(key))
+                STATE.passes += 1
+                for ev in outcome.events:
+                    kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+                if outcome.applied or outcome.deleted:
+                    log.info("%s/%s: applied %d, deleted %d", *key, outcome.applied, outcome.deleted)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            STATE.errors += 1
+            log.exception("%s/%s: reconcile failed; retrying on the next resync", *key)
+        finally:
+            STATE.queue.done(key)
+
+
+async def _resync() -> None:
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        for key in list(STATE.pipelines):
+            STATE.queue.add(key)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.peering.standalone = True
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = WATCH_TIMEOUT
+    settings.watching.client_timeout = WATCH_TIMEOUT + 10
+    settings.posting.enabled = True
+    settings.networking.error_backoffs = [1, 2, 5]
+    STATE.api = Api()
+    STATE.tasks = [asyncio.create_task(_work()) for _ in range(WORKERS)]
+    STATE.tasks.append(asyncio.create_task(_resync()))
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    for task in STATE.tasks:
+        task.cancel()
+    await asyncio.gather(*STATE.tasks, return_exceptions=True)
+    STATE.tasks = []
+    if STATE.api is not None:
+        await STATE.api.client.close()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="omnifleet operator", description="Run the OmniPipeline operator.")
+    parser.add_argument("-n", "--namespace", action="append", default=[],
+                        help="watch only this namespace (repeatable); default: all namespaces")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                        help="kopf liveness endpoint (default: %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kopf.configure(verbose=args.verbose)
+    kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
+             liveness_endpoint=args.liveness)
+    return 0

@@ -1,0 +1,166 @@
+"""One reconcile pass of one pipeline: parse, render, apply the differences,
+delete what is no longer wanted, compute status, write it only if it changed.
+
+I/O goes through `Api` (lightkube); the rest is pure and lives in `render`,
+`drift` and `status`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightkube import ApiError, AsyncClient
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.apps_v1 import Deployment
+from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
+from lightkube.resources.core_v1 import ConfigMap, Service, ServiceAccount
+from lightkube.resources.networking_v1 import NetworkPolicy
+from lightkube.resources.policy_v1 import PodDisruptionBudget
+from lightkube.types import PatchType
+
+from omnifleet_runtime import constants as C
+from omnifleet_runtime.schema import OmniPipeline
+from omnifleet_runtime.validate import Problem
+
+from . import render
+from .checks import check_document
+from .drift import is_subset
+from .status import Event, Observed, compute_status, transition_events
+
+log = logging.getLogger("omnifleet.reconcile")
+Obj = dict[str, Any]
+
+OmniPipelineResource = create_namespaced_resource(C.GROUP, C.VERSION, C.KIND, C.PLURAL)
+
+# Every kind the operator renders: (apiVersion, kind) -> lightkube resource.
+CHILD_KINDS = {
+    ("v1", "ServiceAccount"): ServiceAccount,
+    ("v1", "ConfigMap"): ConfigMap,
+    ("v1", "Service"): Service,
+    ("apps/v1", "Deployment"): Deployment,
+    ("policy/v1", "PodDisruptionBudget"): PodDisruptionBudget,
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): HorizontalPodAutoscaler,
+    ("networking.k8s.io/v1", "NetworkPolicy"): NetworkPolicy,
+}
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Children:
+    """The live children of one pipeline, as the watch caches hold them."""
+
+    objects: list[Obj] = field(default_factory=list)
+    pods: list[Obj] = field(default_factory=list)
+
+    def find(self, api_version: str, kind: str, name: str) -> Obj | None:
+        for o in self.objects:
+            if o.get("kind") == kind and o.get("apiVersion") == api_version and o["metadata"]["name"] == name:
+                return o
+        return None
+
+
+@dataclass
+class Plan:
+    apply: list[Obj]
+    delete: list[Obj]
+
+
+def parse(body: Obj) -> tuple[OmniPipeline | None, list[Problem]]:
+    doc = {k: body.get(k) for k in ("apiVersion", "kind", "spec")}
+    doc["metadata"] = {"name": body["metadata"]["name"], "namespace": body["metadata"].get("namespace")}
+    return check_document(doc)
+
+
+def _owned_by(obj: Obj, uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+def plan(desired: list[Obj], children: Children, uid: str) -> Plan:
+    """What to apply (missing or drifted) and what to delete (ours, no longer desired)."""
+    wanted = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in desired}
+    to_apply = [o for o in desired
+                if not is_subset(o, children.find(o["apiVersion"], o["kind"], o["metadata"]["name"]))]
+    to_delete = [o for o in children.objects
+                 if (o.get("apiVersion"), o.get("kind"), o["metadata"]["name"]) not in wanted and _owned_by(o, uid)]
+    return Plan(to_apply, to_delete)
+
+
+class Api:
+    """The few writes the operator makes, through lightkube's async client."""
+
+    def __init__(self, client: AsyncClient | None = None):
+        self.client = client or AsyncClient(field_manager=C.FIELD_MANAGER)
+
+    async def apply(self, obj: Obj) -> None:
+        res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
+        await self.client.patch(res, obj["metadata"]["name"], obj, namespace=obj["metadata"]["namespace"],
+                                patch_type=PatchType.APPLY, field_manager=C.FIELD_MANAGER, force=True)
+
+    async def delete(self, obj: Obj) -> None:
+        res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
+        try:
+            await self.client.delete(res, obj["metadata"]["name"], namespace=obj["metadata"]["namespace"])
+        except ApiError as err:
+            if err.status.code != 404:
+                raise
+
+    async def write_status(self, namespace: str, name: str, status: Obj) -> None:
+        await self.client.patch(OmniPipelineResource.Status, name, {"status": status}, namespace=namespace,
+                                patch_type=PatchType.MERGE)
+
+
+def _api_error_text(err: Exception) -> str:
+    if isinstance(err, ApiError):
+        return f"{err.status.code} {err.status.reason}: {err.status.message}"
+    return f"{type(err).__name__}: {err}"
+
+
+@dataclass
+class Outcome:
+    applied: int = 0
+    deleted: int = 0
+    status_written: bool = False
+    events: list[Event] = field(default_factory=list)
+
+
+async def reconcile(api: Api, body: Obj, children: Children, registered: dict[str, int] | None = None) -> Outcome:
+    """One pass. Writes only what differs; never raises for a bad spec."""
+    meta = body["metadata"]
+    name, namespace, uid = meta["name"], meta.get("namespace", "default"), meta["uid"]
+    generation = int(meta.get("generation") or 0)
+    outcome = Outcome()
+    doc, problems = parse(body)
+    apply_error = None
+    if doc is not None:
+        # The CR's namespace is where children go, whatever the spec document said.
+        todo = plan(render.desired(doc, owner_uid=uid), children, uid)
+        try:
+            for obj in todo.apply:
+                await api.apply(obj)
+                outcome.applied += 1
+            for obj in todo.delete:
+                await api.delete(obj)
+                outcome.deleted += 1
+        except Exception as err:  # reported in status; the next pass retries
+            apply_error = _api_error_text(err)
+            log.warning("%s/%s: apply failed: %s", namespace, name, apply_error)
+
+    deployments = {o["metadata"]["name"]: o for o in children.objects if o.get("kind") == "Deployment"}
+    prior = body.get("status") or {}
+    status = compute_status(
+        name=name, namespace=namespace, generation=generation, doc=doc, problems=problems,
+        observed=Observed(deployments=deployments, pods=children.pods, registered=registered),
+        prior=prior, now=now_iso(), apply_error=apply_error,
+    )
+    if status != prior:
+        await api.write_status(namespace, name, status)
+        outcome.status_written = True
+        # Events only after the status they describe is stored.
+        outcome.events = transition_events(prior, status)
+    return outcome

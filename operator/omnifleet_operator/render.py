@@ -1,0 +1,437 @@
+"""`desired(pipeline) -> objects`: pure builders of every child of an OmniPipeline.
+
+No client, no clock, no network: the same input always renders the same
+objects, so the reconciler can compare them with what is live and the golden
+tests can pin them down.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from omnifleet_runtime import constants as C
+from omnifleet_runtime.schema import EnvVar, OmniPipeline, Resources, Toleration
+from omnifleet_runtime.validate import dump, resolve
+
+from . import names, quantity
+
+Obj = dict[str, Any]
+
+RUN_AS_USER = 1000
+STAGE_GRACE_SECONDS = 120
+MASTER_GRACE_SECONDS = 30
+STAGE_PROGRESS_DEADLINE = 1800  # model loads are slow
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+INFLIGHT_METRIC = "omnifleet_stage_inflight"
+
+
+def stable_hash(value: Any) -> str:
+    blob = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def namespace_of(doc: OmniPipeline) -> str:
+    return doc.metadata.namespace or "default"
+
+
+def prune(value: Any) -> Any:
+    """Drop empty maps and lists: parsing fills them back in, and the config stays short."""
+    if isinstance(value, dict):
+        return {k: prune(v) for k, v in value.items() if v not in ({}, [])}
+    if isinstance(value, list):
+        return [prune(v) for v in value]
+    return value
+
+
+def config_text(doc: OmniPipeline) -> str:
+    """The mounted config: the resolved pipeline, exactly what the runtime parses."""
+    return yaml.safe_dump(prune(dump(resolve(doc))), sort_keys=True)
+
+
+def group_view(doc: OmniPipeline, host: str) -> Obj:
+    """What a host stage's pods read from the config: its group and the defaults."""
+    d = dump(resolve(doc))["spec"]
+    group = [s for s in d["stages"] if s["name"] == host or s.get("colocateWith") == host]
+    return {k: d.get(k) for k in ("model", "image", "modelVolume")} | {"stages": group}
+
+
+def master_view(doc: OmniPipeline) -> Obj:
+    """What the master reads: the graph and the request defaults, not engine settings."""
+    keep = ("name", "type", "model", "inputs", "inputProcessor", "inputMode", "finalOutput",
+            "samplingParams", "colocateWith")
+    d = dump(resolve(doc))["spec"]
+    return {"model": d.get("model"), "master": d["master"],
+            "stages": [{k: s[k] for k in keep if k in s} for s in d["stages"]]}
+
+
+def labels(doc: OmniPipeline, component: str | None = None, stage: str | None = None) -> dict[str, str]:
+    out = {
+        C.LABEL_NAME: "omnifleet",
+        C.LABEL_INSTANCE: doc.metadata.name,
+        C.LABEL_PART_OF: "omnifleet",
+        C.LABEL_MANAGED_BY: "omnifleet-operator",
+        C.LABEL_PIPELINE: doc.metadata.name,
+    }
+    if component:
+        out[C.LABEL_COMPONENT] = component
+        out[C.LABEL_OF_COMPONENT] = component
+    if stage:
+        out[C.LABEL_STAGE] = stage
+    return out
+
+
+def selector(doc: OmniPipeline, component: str, stage: str | None = None) -> dict[str, str]:
+    """Selector labels: a subset of `labels` that never changes for an object's life."""
+    out = {C.LABEL_PIPELINE: doc.metadata.name, C.LABEL_OF_COMPONENT: component}
+    if stage:
+        out[C.LABEL_STAGE] = stage
+    return out
+
+
+def metadata(doc: OmniPipeline, name: str, lbls: dict[str, str], owner_uid: str | None) -> Obj:
+    meta: Obj = {"name": name, "namespace": namespace_of(doc), "labels": lbls}
+    if owner_uid:
+        meta["ownerReferences"] = [{
+            "apiVersion": C.API_VERSION, "kind": C.KIND, "name": doc.metadata.name,
+            "uid": owner_uid, "controller": True, "blockOwnerDeletion": True,
+        }]
+    return meta
+
+
+# -- pod pieces ---------------------------------------------------------------
+
+POD_SECURITY = {
+    "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+DOWNWARD_ENV = [
+    {"name": C.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": C.ENV_POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+]
+
+
+def env_list(*groups: list[EnvVar], extra: list[Obj] = ()) -> list[Obj]:
+    # A name set twice would make the apply fail (env is a map keyed by name): the later one wins.
+    merged: dict[str, Obj] = {e["name"]: e for e in extra}
+    for group in groups:
+        for e in group:
+            merged[e.name] = e.model_dump(by_alias=True, exclude_none=True)
+    return list(merged.values())
+
+
+def tolerations_list(*groups: list[Toleration], extra: list[Obj] = ()) -> list[Obj]:
+    out = list(extra)
+    for group in groups:
+        for t in group:
+            d = t.model_dump(by_alias=True, exclude_none=True)
+            if d not in out:
+                out.append(d)
+    return out
+
+
+def resources_of(parts: list[Resources], gpus: int) -> Obj:
+    """One container's resources: co-located stages' amounts add up."""
+    out: Obj = {}
+    for kind in ("requests", "limits"):
+        keys = sorted({k for r in parts for k in getattr(r, kind)})
+        merged = {}
+        for k in keys:
+            values = [getattr(r, kind)[k] for r in parts if k in getattr(r, kind)]
+            merged[k] = values[0] if len(values) == 1 else quantity.add(*values)
+        if merged:
+            out[kind] = merged
+    if gpus > 0:
+        out.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)
+        out.setdefault("requests", {}).pop(GPU_RESOURCE, None)
+    return out
+
+
+def config_volume(doc: OmniPipeline) -> Obj:
+    return {"name": "config", "configMap": {"name": names.config_name(doc.metadata.name)}}
+
+
+CONFIG_MOUNT = {"name": "config", "mountPath": C.CONFIG_DIR, "readOnly": True}
+
+
+def http_probe(path: str, port: str, period: int, failures: int) -> Obj:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "timeoutSeconds": 3, "failureThreshold": failures}
+
+
+def pod_spec(doc: OmniPipeline, container: Obj, volumes: list[Obj], grace: int, *,
+             node_selector: dict[str, str], tolerations: list[Obj], affinity: Obj | None) -> Obj:
+    spec: Obj = {
+        "serviceAccountName": names.service_account_name(doc.metadata.name),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,  # thousands of Services would otherwise become env vars
+        "securityContext": POD_SECURITY,
+        "terminationGracePeriodSeconds": grace,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if doc.spec.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s.name} for s in doc.spec.image_pull_secrets]
+    if node_selector:
+        spec["nodeSelector"] = dict(sorted(node_selector.items()))
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if affinity:
+        spec["affinity"] = affinity
+    return spec
+
+
+def with_template_hash(deployment: Obj) -> Obj:
+    """Stamp the pod template's hash (replicas are outside the template, so scaling never rolls)."""
+    template = deployment["spec"]["template"]
+    digest = stable_hash(template)
+    template["metadata"].setdefault("annotations", {})[C.ANNOTATION_TEMPLATE_HASH] = digest
+    deployment["metadata"].setdefault("annotations", {})[C.ANNOTATION_TEMPLATE_HASH] = digest
+    return deployment
+
+
+# -- objects ------------------------------------------------------------------
+
+def build_service_account(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": metadata(doc, names.service_account_name(doc.metadata.name), labels(doc), owner_uid),
+        "automountServiceAccountToken": False,
+    }
+
+
+def build_config_map(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+    text = config_text(doc)
+    meta = metadata(doc, names.config_name(doc.metadata.name), labels(doc), owner_uid)
+    meta["annotations"] = {C.ANNOTATION_CONFIG_HASH: stable_hash(text)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {C.CONFIG_FILE: text}}
+
+
+def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+    m = doc.spec.master
+    name = names.master_name(doc.metadata.name)
+    container = {
+        "name": "master",
+        "image": doc.spec.image,
+        "command": ["omnifleet"],
+        "args": ["master", "--config", C.CONFIG_PATH],
+        "ports": [
+            {"name": C.PORT_NAME_HTTP, "containerPort": m.api_port, "protocol": "TCP"},
+            {"name": C.PORT_NAME_CONTROL, "containerPort": C.MASTER_CONTROL_PORT, "protocol": "TCP"},
+        ],
+        "env": env_list(m.env, extra=DOWNWARD_ENV),
+        "resources": resources_of([m.resources], 0),
+        # Readiness is the process being up: stages reach the master through this
+        # Service, so gating it on registered stages would deadlock. Pipeline
+        # readiness is /ready, read by the operator and by clients.
+        "startupProbe": http_probe("/health", C.PORT_NAME_HTTP, 2, 60),
+        "readinessProbe": http_probe("/health", C.PORT_NAME_HTTP, 5, 3),
+        "livenessProbe": http_probe("/health", C.PORT_NAME_HTTP, 10, 6),
+        "volumeMounts": [CONFIG_MOUNT],
+        "securityContext": CONTAINER_SECURITY,
+    }
+    template = {
+        "metadata": {
+            "labels": labels(doc, C.COMPONENT_MASTER),
+            "annotations": {C.ANNOTATION_CONFIG_HASH: stable_hash(master_view(doc))},
+        },
+        "spec": pod_spec(doc, container, [config_volume(doc)], MASTER_GRACE_SECONDS,
+                         node_selector=m.node_selector, tolerations=tolerations_list(m.tolerations),
+                         affinity=None),
+    }
+    return with_template_hash({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": metadata(doc, name, labels(doc, C.COMPONENT_MASTER), owner_uid),
+        "spec": {
+            "replicas": 1,
+            # One master at a time: two would split the stages' registrations.
+            "strategy": {"type": "Recreate"},
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector(doc, C.COMPONENT_MASTER)},
+            "template": template,
+        },
+    })
+
+
+def build_master_service(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+    m = doc.spec.master
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": metadata(doc, names.master_name(doc.metadata.name), labels(doc, C.COMPONENT_MASTER), owner_uid),
+        "spec": {
+            "type": m.service_type,
+            "selector": selector(doc, C.COMPONENT_MASTER),
+            "ports": [
+                {"name": C.PORT_NAME_HTTP, "port": m.api_port, "targetPort": C.PORT_NAME_HTTP, "protocol": "TCP"},
+                {"name": C.PORT_NAME_CONTROL, "port": C.MASTER_CONTROL_PORT,
+                 "targetPort": C.PORT_NAME_CONTROL, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None = None) -> Obj:
+    resolved = resolve(doc)
+    group = resolved.spec.group(host)
+    h = group[0]
+    p = doc.metadata.name
+    args = ["stage", "--config", C.CONFIG_PATH]
+    for s in group:
+        args += ["--stage", s.name]
+    args += ["--master", names.master_address(p, namespace_of(doc))]
+    ports = [{"name": names.data_port_name(i), "containerPort": C.STAGE_DATA_PORT + i, "protocol": "TCP"}
+             for i in range(len(group))]
+    ports.append({"name": C.PORT_NAME_HEALTH, "containerPort": C.STAGE_HEALTH_PORT, "protocol": "TCP"})
+    pod_ip = {"name": C.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    mounts = [CONFIG_MOUNT, {"name": "dshm", "mountPath": C.SHM_DIR}]
+    shm = quantity.add(*(s.shm_size for s in group))
+    volumes = [config_volume(doc), {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    mv = doc.spec.model_volume
+    if mv:
+        mount = {"name": "models", "mountPath": C.MODEL_DIR, "readOnly": True}
+        if mv.sub_path:
+            mount["subPath"] = mv.sub_path
+        mounts.append(mount)
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": mv.claim_name, "readOnly": True}}
+                       if mv.claim_name else {"name": "models", "hostPath": {"path": mv.host_path, "type": "Directory"}})
+    container = {
+        "name": "stage",
+        "image": h.image,
+        "command": ["omnifleet"],
+        "args": args,
+        "ports": ports,
+        "env": env_list(*(s.env for s in group), extra=DOWNWARD_ENV + [pod_ip]),
+        "resources": resources_of([s.resources for s in group], h.gpus),
+        # Loading a model can take many minutes: the startup probe allows 30.
+        "startupProbe": http_probe("/livez", C.PORT_NAME_HEALTH, 10, 180),
+        "readinessProbe": http_probe("/readyz", C.PORT_NAME_HEALTH, 5, 3),
+        "livenessProbe": http_probe("/livez", C.PORT_NAME_HEALTH, 10, 6),
+        "volumeMounts": mounts,
+        "securityContext": CONTAINER_SECURITY,
+    }
+    node_selector: dict[str, str] = {}
+    for s in group:
+        node_selector |= s.node_selector
+    tolerations = tolerations_list(*(s.tolerations for s in group), extra=[GPU_TOLERATION] if h.gpus else [])
+    template = {
+        "metadata": {
+            "labels": labels(doc, C.COMPONENT_STAGE, host),
+            "annotations": {
+                C.ANNOTATION_CONFIG_HASH: stable_hash(group_view(doc, host)),
+                C.ANNOTATION_STAGES: ",".join(s.name for s in group),
+            },
+        },
+        "spec": pod_spec(doc, container, volumes, STAGE_GRACE_SECONDS,
+                         node_selector=node_selector, tolerations=tolerations, affinity=h.affinity),
+    }
+    spec: Obj = {
+        # Keep serving capacity during a roll; a surge pod waits for a GPU if none is free.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "revisionHistoryLimit": 3,
+        "progressDeadlineSeconds": STAGE_PROGRESS_DEADLINE,
+        "selector": {"matchLabels": selector(doc, C.COMPONENT_STAGE, host)},
+        "template": template,
+    }
+    if h.autoscaling is None:
+        spec = {"replicas": h.replicas} | spec  # an autoscaled stage's replicas belong to its HPA
+    meta = metadata(doc, names.stage_name(p, host), labels(doc, C.COMPONENT_STAGE, host), owner_uid)
+    return with_template_hash({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec})
+
+
+def build_stage_service(doc: OmniPipeline, host: str, owner_uid: str | None = None) -> Obj:
+    """Headless: stage replicas reach each other's data ports directly, pod to pod."""
+    group = doc.spec.group(host)
+    ports = [{"name": names.data_port_name(i), "port": C.STAGE_DATA_PORT + i,
+              "targetPort": names.data_port_name(i), "protocol": "TCP"} for i in range(len(group))]
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": metadata(doc, names.stage_name(doc.metadata.name, host),
+                             labels(doc, C.COMPONENT_STAGE, host), owner_uid),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector(doc, C.COMPONENT_STAGE, host),
+            "ports": ports,
+        },
+    }
+
+
+def build_stage_pdb(doc: OmniPipeline, host: str, owner_uid: str | None = None) -> Obj:
+    # maxUnavailable 1 lets node drains and the cluster autoscaler proceed one pod at a time.
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": metadata(doc, names.stage_name(doc.metadata.name, host),
+                             labels(doc, C.COMPONENT_STAGE, host), owner_uid),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(doc, C.COMPONENT_STAGE, host)}},
+    }
+
+
+def build_stage_hpa(doc: OmniPipeline, host: str, owner_uid: str | None = None) -> Obj:
+    a = doc.spec.stage(host).autoscaling
+    assert a is not None
+    name = names.stage_name(doc.metadata.name, host)
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(doc, name, labels(doc, C.COMPONENT_STAGE, host), owner_uid),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": a.min_replicas,
+            "maxReplicas": a.max_replicas,
+            "metrics": [{
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": INFLIGHT_METRIC},
+                    "target": {"type": "AverageValue", "averageValue": str(a.target_inflight)},
+                },
+            }],
+        },
+    }
+
+
+def build_network_policy(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+    """ZMQ ports only from this pipeline's pods; the API and probe ports from anywhere."""
+    p = doc.metadata.name
+    max_group = max(len(doc.spec.group(h.name)) for h in doc.spec.hosts())
+    internal = [{"protocol": "TCP", "port": C.PORT_NAME_CONTROL}] + [
+        {"protocol": "TCP", "port": names.data_port_name(i)} for i in range(max_group)]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": metadata(doc, names.network_policy_name(p), labels(doc), owner_uid),
+        "spec": {
+            "podSelector": {"matchLabels": {C.LABEL_PIPELINE: p}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": {C.LABEL_PIPELINE: p}}}], "ports": internal},
+                {"ports": [{"protocol": "TCP", "port": C.PORT_NAME_HTTP},
+                           {"protocol": "TCP", "port": C.PORT_NAME_HEALTH}]},
+            ],
+        },
+    }
+
+
+def desired(doc: OmniPipeline, owner_uid: str | None = None) -> list[Obj]:
+    """Every child of a valid pipeline, in apply order."""
+    objs = [
+        build_service_account(doc, owner_uid),
+        build_config_map(doc, owner_uid),
+        build_network_policy(doc, owner_uid),
+        build_master_deployment(doc, owner_uid),
+        build_master_service(doc, owner_uid),
+    ]
+    for host in doc.spec.hosts():
+        objs += [
+            build_stage_deployment(doc, host.name, owner_uid),
+            build_stage_service(doc, host.name, owner_uid),
+            build_stage_pdb(doc, host.name, owner_uid),
+        ]
+        if host.autoscaling is not None:
+            objs.append(build_stage_hpa(doc, host.name, owner_uid))
+    return objs

@@ -1,0 +1,297 @@
+"""Status of a pipeline, computed by a pure function from what was observed.
+
+Readiness is decided by a chain of checks, each `(input) -> Verdict | None`,
+first failure wins (as cert-manager does). Conditions keep their
+`lastTransitionTime` unless their status flips, so an unchanged world yields
+an identical status and the reconciler writes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnifleet_runtime import constants as C
+from omnifleet_runtime.schema import OmniPipeline
+from omnifleet_runtime.validate import Problem
+
+from . import names
+
+Obj = dict[str, Any]
+
+READY, PROGRESSING, DEGRADED, RECONCILING, STALLED = "Ready", "Progressing", "Degraded", "Reconciling", "Stalled"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, RECONCILING, STALLED)
+
+# Reasons
+INVALID_SPEC = "InvalidSpec"
+APPLY_FAILED = "ApplyFailed"
+CREATING = "Creating"
+ROLLING_OUT = "RollingOut"
+CAPACITY_PENDING = "CapacityPending"
+WAITING_FOR_READY = "WaitingForReady"
+SCALED_TO_ZERO = "ScaledToZero"
+REPLICA_FAILURE = "ReplicaFailure"
+PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
+STAGE_UNAVAILABLE = "StageUnavailable"
+ALL_READY = "AllStagesReady"
+
+WARNING_REASONS = {INVALID_SPEC, APPLY_FAILED, CAPACITY_PENDING, REPLICA_FAILURE, PROGRESS_DEADLINE,
+                   STAGE_UNAVAILABLE}
+STALLED_REASONS = {INVALID_SPEC, REPLICA_FAILURE, PROGRESS_DEADLINE}
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the reconciler saw of a pipeline's children."""
+
+    deployments: dict[str, Obj] = field(default_factory=dict)  # by name
+    pods: list[Obj] = field(default_factory=list)  # this pipeline's pods
+    registered: dict[str, int] | None = None  # replicas registered with the master, by stage
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+def _cond(dep: Obj, ctype: str) -> Obj | None:
+    for c in (dep.get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def _unschedulable(pods: list[Obj], view: "StageView") -> list[Obj]:
+    out = []
+    for pod in pods:
+        lbls = pod.get("metadata", {}).get("labels") or {}
+        if view.name == "master":
+            if lbls.get(C.LABEL_OF_COMPONENT) != C.COMPONENT_MASTER:
+                continue
+        elif lbls.get(C.LABEL_STAGE) != view.name:
+            continue
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                out.append(c)
+    return out
+
+
+@dataclass(frozen=True)
+class StageView:
+    """One pod group (a Deployment) as observed."""
+
+    name: str  # host stage, or "master"
+    deployment_name: str
+    desired: int
+    dep: Obj | None
+
+    @property
+    def status(self) -> Obj:
+        return (self.dep or {}).get("status") or {}
+
+    @property
+    def ready(self) -> int:
+        return int(self.status.get("readyReplicas") or 0)
+
+    @property
+    def updated(self) -> int:
+        return int(self.status.get("updatedReplicas") or 0)
+
+    @property
+    def replicas(self) -> int:
+        return int(self.status.get("replicas") or 0)
+
+    @property
+    def is_ready(self) -> bool:
+        return (self.dep is not None and self.desired > 0 and self.ready >= self.desired
+                and self.updated >= self.desired and self.replicas == self.updated
+                and self.status.get("observedGeneration", 0) >= self.dep["metadata"].get("generation", 0))
+
+
+def stage_views(doc: OmniPipeline, observed: Observed) -> list[StageView]:
+    p = doc.metadata.name
+    views = [StageView("master", names.master_name(p), 1, observed.deployments.get(names.master_name(p)))]
+    for host in doc.spec.hosts():
+        dname = names.stage_name(p, host.name)
+        dep = observed.deployments.get(dname)
+        if host.autoscaling is not None:
+            # The autoscaler owns the count: read it from the live Deployment.
+            live = (dep or {}).get("spec", {}).get("replicas")
+            desired = host.autoscaling.min_replicas if live is None else int(live)
+        else:
+            desired = 1 if host.replicas is None else host.replicas
+        views.append(StageView(host.name, dname, desired, dep))
+    return views
+
+
+# -- the check chain ----------------------------------------------------------
+
+def check_failures(views: list[StageView], observed: Observed) -> Verdict | None:
+    for v in views:
+        if v.dep is None:
+            continue
+        failure = _cond(v.dep, "ReplicaFailure")
+        if failure and failure.get("status") == "True":
+            return Verdict(REPLICA_FAILURE, f"{v.name}: {failure.get('message') or failure.get('reason')}")
+        progressing = _cond(v.dep, "Progressing")
+        if progressing and progressing.get("status") == "False" and progressing.get("reason") == PROGRESS_DEADLINE:
+            return Verdict(PROGRESS_DEADLINE, f"{v.name}: rollout exceeded its progress deadline")
+    return None
+
+
+def check_capacity(views: list[StageView], observed: Observed) -> Verdict | None:
+    pending = []
+    for v in views:
+        stuck = _unschedulable(observed.pods, v)
+        if stuck:
+            pending.append(f"stage {v.name}: {len(stuck)} pod(s) unschedulable: {stuck[0].get('message', '')}".strip())
+    if pending:
+        return Verdict(CAPACITY_PENDING, "; ".join(pending))
+    return None
+
+
+def check_rollout(views: list[StageView], observed: Observed) -> Verdict | None:
+    missing = [v.name for v in views if v.dep is None]
+    if missing:
+        return Verdict(CREATING, "creating " + ", ".join(missing))
+    zero = [v.name for v in views if v.desired == 0]
+    if zero:
+        return Verdict(SCALED_TO_ZERO, "scaled to zero: " + ", ".join(zero))
+    rolling = [f"{v.name} ({v.updated}/{v.desired} updated)" for v in views
+               if v.updated < v.desired or v.replicas > v.updated
+               or v.status.get("observedGeneration", 0) < v.dep["metadata"].get("generation", 0)]
+    if rolling:
+        return Verdict(ROLLING_OUT, "rolling out " + ", ".join(rolling))
+    waiting = [f"{v.name} ({v.ready}/{v.desired} ready)" for v in views if not v.is_ready]
+    if waiting:
+        return Verdict(WAITING_FOR_READY, "waiting for " + ", ".join(waiting))
+    return None
+
+
+CHECKS = (check_failures, check_capacity, check_rollout)
+
+
+# -- status -------------------------------------------------------------------
+
+def _conditions(values: dict[str, tuple[str, str, str]], prior: list[Obj], generation: int, now: str) -> list[Obj]:
+    before = {c.get("type"): c for c in prior or []}
+    out = []
+    for ctype in CONDITION_TYPES:
+        status, reason, message = values[ctype]
+        old = before.get(ctype)
+        since = old.get("lastTransitionTime") if old and old.get("status") == status and old.get("lastTransitionTime") else now
+        out.append({"type": ctype, "status": status, "reason": reason, "message": message,
+                    "observedGeneration": generation, "lastTransitionTime": since})
+    return out
+
+
+def _prior_condition(prior: Obj, ctype: str) -> Obj:
+    for c in (prior or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return {}
+
+
+def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipeline | None,
+                   problems: list[Problem], observed: Observed, prior: Obj | None, now: str,
+                   apply_error: str | None = None) -> Obj:
+    """The whole `.status` of a pipeline. Pure: same inputs, same output."""
+    prior = prior or {}
+    if problems or doc is None:
+        shown = "; ".join(map(str, problems[:3])) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+        message = f"invalid spec: {shown}"
+        values = {
+            READY: ("False", INVALID_SPEC, message),
+            PROGRESSING: ("False", INVALID_SPEC, message),
+            DEGRADED: ("False", INVALID_SPEC, ""),
+            RECONCILING: ("False", INVALID_SPEC, ""),
+            STALLED: ("True", INVALID_SPEC, message),
+        }
+        out = {"observedGeneration": generation, "phase": "Invalid", "message": message,
+               "conditions": _conditions(values, prior.get("conditions"), generation, now)}
+        # Keep what was last seen of the stages: nothing was changed on their side.
+        for key in ("stages", "readyStages", "endpoint"):
+            if key in prior:
+                out[key] = prior[key]
+        return out
+
+    views = stage_views(doc, observed)
+    by_host = {v.name: v for v in views}
+    verdict = Verdict(APPLY_FAILED, apply_error) if apply_error else None
+    for check in CHECKS:
+        verdict = verdict or check(views, observed)
+
+    stages = []
+    ready_count = 0
+    for s in doc.spec.stages:
+        v = by_host[s.colocate_with or s.name]
+        entry = {"name": s.name, "replicas": v.replicas, "readyReplicas": v.ready,
+                 "updatedReplicas": v.updated, "desiredReplicas": v.desired}
+        if s.colocate_with:
+            entry["host"] = s.colocate_with
+        if observed.registered is not None:
+            entry["registeredReplicas"] = observed.registered.get(s.name, 0)
+        stages.append(entry)
+        ready_count += v.is_ready
+
+    was_ready = _prior_condition(prior, READY).get("status") == "True"
+    was_unavailable = _prior_condition(prior, DEGRADED).get("reason") == STAGE_UNAVAILABLE
+    lost = [v.name for v in views if v.dep is not None and v.desired > 0 and v.ready == 0]
+    degraded: Verdict | None = None
+    if verdict and verdict.reason in (REPLICA_FAILURE, PROGRESS_DEADLINE):
+        degraded = verdict
+    elif lost and (was_ready or was_unavailable):
+        degraded = Verdict(STAGE_UNAVAILABLE, "no ready replica: " + ", ".join(lost))
+
+    if verdict is None:
+        msg = f"all {len(doc.spec.stages)} stages ready"
+        values = {
+            READY: ("True", ALL_READY, msg),
+            PROGRESSING: ("False", "Complete", ""),
+            DEGRADED: ("False", "AsExpected", ""),
+            RECONCILING: ("False", "Complete", ""),
+            STALLED: ("False", "AsExpected", ""),
+        }
+        phase, message = "Ready", ""
+    else:
+        stalled = verdict.reason in STALLED_REASONS
+        values = {
+            READY: ("False", verdict.reason, verdict.message),
+            PROGRESSING: ("False" if stalled else "True", verdict.reason, verdict.message),
+            DEGRADED: ("True", degraded.reason, degraded.message) if degraded else ("False", "AsExpected", ""),
+            RECONCILING: ("False" if stalled else "True", verdict.reason, verdict.message if not stalled else ""),
+            STALLED: ("True", verdict.reason, verdict.message) if stalled else ("False", "AsExpected", ""),
+        }
+        phase = ("Degraded" if degraded else "Pending" if verdict.reason == CAPACITY_PENDING else "Progressing")
+        message = verdict.message
+
+    return {
+        "observedGeneration": generation,
+        "phase": phase,
+        "message": message,
+        "readyStages": f"{ready_count}/{len(doc.spec.stages)}",
+        "endpoint": names.master_endpoint(name, namespace, doc.spec.master.api_port),
+        "stages": stages,
+        "conditions": _conditions(values, prior.get("conditions"), generation, now),
+    }
+
+
+def transition_events(old: Obj | None, new: Obj) -> list[Event]:
+    """Events for a change of the Ready condition (status or reason)."""
+    before = _prior_condition(old or {}, READY)
+    after = _prior_condition(new, READY)
+    if (before.get("status"), before.get("reason")) == (after.get("status"), after.get("reason")):
+        return []
+    reason = after.get("reason", "")
+    if after.get("status") == "True":
+        return [Event("Normal", "Ready", after.get("message", ""))]
+    kind = "Warning" if reason in WARNING_REASONS else "Normal"
+    return [Event(kind, reason, after.get("message", ""))]
