@@ -28,6 +28,7 @@ STAGE_PROGRESS_DEADLINE = 1800  # model loads are slow
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 INFLIGHT_METRIC = "omnifleet_stage_inflight"
+SCALE_FIELDS = ("replicas", "autoscaling")
 
 
 def stable_hash(value: Any) -> str:
@@ -56,7 +57,9 @@ def config_text(doc: OmniPipeline) -> str:
 def group_view(doc: OmniPipeline, host: str) -> Obj:
     """What a host stage's pods read from the config: its group and the defaults."""
     d = dump(resolve(doc))["spec"]
-    group = [s for s in d["stages"] if s["name"] == host or s.get("colocateWith") == host]
+    # Scale-only fields stay out, so scaling never restarts pods.
+    group = [{k: v for k, v in s.items() if k not in SCALE_FIELDS}
+             for s in d["stages"] if s["name"] == host or s.get("colocateWith") == host]
     return {k: d.get(k) for k in ("model", "image", "modelVolume")} | {"stages": group}
 
 

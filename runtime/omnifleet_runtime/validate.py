@@ -119,6 +119,10 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
             elif s.image is not None and s.image != (spec.stages[index[host]].image or spec.image):
                 add(f"{at}.image", f"a co-located stage runs in the container of {host!r} and uses its image")
 
+    mv = spec.model_volume
+    if mv is not None and (mv.claim_name is None) == (mv.host_path is None):
+        add("modelVolume", "set exactly one of claimName or hostPath")
+
     entries = [s.name for s in spec.stages if not s.inputs]
     if len(entries) != 1:
         add("stages", f"exactly one stage must have no inputs (the entry stage); found {len(entries)}: {entries}")

@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` and `make test`. Both set up
+# everything they need on a fresh machine (a virtualenv at .venv/, and for
+# the cluster tests the Kubernetes binaries, built once into ~/.cache/omnifleet).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+.PHONY: setup run test test-unit test-golden-update crd clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[operator,runtime,test]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/python -m omnifleet_operator.main
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit tests/golden
+
+test-golden-update: setup
+	$(BIN)/python -m pytest -q tests/golden --update-golden
+
+crd: setup
+	$(BIN)/omnifleet crd -o crds/omnifleet.dev_omnipipelines.yaml
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,145 @@
+"""Properties of the renderer that matter beyond the golden files."""
+
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+from omnifleet_operator.checks import check_document
+from omnifleet_operator.render import desired
+from omnifleet_runtime import constants as C
+
+from ..conftest import REPO
+
+
+def sample(name: str) -> dict:
+    return yaml.safe_load((REPO / "manifests" / "samples" / f"{name}.yaml").read_text())
+
+
+def render(doc: dict, uid: str | None = "u1") -> dict[tuple[str, str], dict]:
+    parsed, problems = check_document(doc)
+    assert problems == []
+    return {(o["kind"], o["metadata"]["name"]): o for o in desired(parsed, owner_uid=uid)}
+
+
+def template_hash(objs, name):
+    return objs[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"][C.ANNOTATION_TEMPLATE_HASH]
+
+
+def test_rendering_is_deterministic():
+    assert render(sample("speech")) == render(sample("speech"))
+
+
+def test_every_child_has_owner_and_labels():
+    for obj in render(sample("speech")).values():
+        meta = obj["metadata"]
+        assert meta["ownerReferences"] == [{
+            "apiVersion": C.API_VERSION, "kind": C.KIND, "name": "speech", "uid": "u1",
+            "controller": True, "blockOwnerDeletion": True}]
+        assert meta["labels"][C.LABEL_PIPELINE] == "speech"
+        assert meta["labels"][C.LABEL_INSTANCE] == "speech"
+
+
+def test_colocated_stage_runs_in_its_host_pods():
+    objs = render(sample("speech"))
+    assert ("Deployment", "speech-code2wav") not in objs
+    c = objs[("Deployment", "speech-talker")]["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][c["args"].index("--stage") + 1] == "talker"
+    assert c["args"].count("--stage") == 2 and "code2wav" in c["args"]
+    assert c["resources"]["limits"][ "nvidia.com/gpu"] == "1"
+    # cpu 4 + 2 and memory 32Gi + 8Gi: one container serves both processes
+    assert c["resources"]["requests"] == {"cpu": "6", "memory": "40Gi"}
+    assert [p["containerPort"] for p in c["ports"]] == [C.STAGE_DATA_PORT, C.STAGE_DATA_PORT + 1, C.STAGE_HEALTH_PORT]
+
+
+def test_changing_one_stage_rolls_only_that_stage():
+    before = render(sample("speech"))
+    doc = sample("speech")
+    doc["spec"]["stages"][0]["engineArgs"]["max_num_seqs"] = 128  # thinker
+    after = render(doc)
+    assert template_hash(before, "speech-thinker") != template_hash(after, "speech-thinker")
+    assert template_hash(before, "speech-talker") == template_hash(after, "speech-talker")
+    assert template_hash(before, "speech-master") == template_hash(after, "speech-master")
+
+
+def test_scaling_never_changes_a_template():
+    before = render(sample("speech"))
+    doc = sample("speech")
+    doc["spec"]["stages"][1]["replicas"] = 5
+    after = render(doc)
+    assert after[("Deployment", "speech-talker")]["spec"]["replicas"] == 5
+    assert template_hash(before, "speech-talker") == template_hash(after, "speech-talker")
+
+
+def test_sampling_defaults_roll_the_master_not_the_stages():
+    before = render(sample("speech"))
+    doc = sample("speech")
+    doc["spec"]["stages"][0]["samplingParams"]["temperature"] = 0.1
+    after = render(doc)
+    assert template_hash(before, "speech-master") != template_hash(after, "speech-master")
+    assert after[("ConfigMap", "speech-config")] != before[("ConfigMap", "speech-config")]
+
+
+def test_autoscaled_stage_leaves_replicas_to_its_hpa():
+    objs = render(sample("autoscaled"))
+    dep = objs[("Deployment", "autoscaled-llm")]
+    assert "replicas" not in dep["spec"]
+    hpa = objs[("HorizontalPodAutoscaler", "autoscaled-llm")]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "autoscaled-llm"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 8)
+    assert objs[("Deployment", "autoscaled-prep")]["spec"]["replicas"] == 1
+    assert ("HorizontalPodAutoscaler", "autoscaled-prep") not in objs
+
+
+def test_cpu_stage_has_no_gpu_limit_or_toleration():
+    objs = render(sample("autoscaled"))
+    pod = objs[("Deployment", "autoscaled-prep")]["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+    assert "tolerations" not in pod
+
+
+def test_pods_meet_restricted_pod_security():
+    for obj in render(sample("speech")).values():
+        if obj["kind"] != "Deployment":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        for c in pod["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert all("hostPath" not in v for v in pod["volumes"])
+
+
+def test_config_map_holds_what_the_runtime_parses():
+    from omnifleet_runtime.validate import load_pipeline
+
+    cm = render(sample("speech"))[("ConfigMap", "speech-config")]
+    doc = load_pipeline(yaml.safe_load(cm["data"][C.CONFIG_FILE]))
+    talker = doc.spec.stage("talker")
+    assert talker.replicas == 2 and talker.gpus == 1 and talker.model == "/models/Qwen2.5-Omni-7B"
+    assert doc.spec.stage("code2wav").effective_input_mode() == "stream"
+
+
+def test_namespace_flows_into_master_address():
+    doc = sample("single")
+    doc["metadata"]["namespace"] = "ml"
+    objs = render(doc)
+    args = objs[("Deployment", "chat-llm")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-1] == "chat-master.ml.svc:5570"
+    assert all(o["metadata"]["namespace"] == "ml" for o in objs.values())
+
+
+def test_network_policy_admits_zmq_only_from_the_pipeline():
+    np = render(sample("speech"))[("NetworkPolicy", "speech")]
+    internal, public = np["spec"]["ingress"]
+    assert internal["from"] == [{"podSelector": {"matchLabels": {C.LABEL_PIPELINE: "speech"}}}]
+    assert {p["port"] for p in internal["ports"]} == {"zmq-control", "zmq-data", "zmq-data-1"}
+    assert "from" not in public and {p["port"] for p in public["ports"]} == {"http", "health"}
+
+
+def test_no_owner_reference_without_uid():
+    objs = render(copy.deepcopy(sample("single")), uid=None)
+    assert all("ownerReferences" not in o["metadata"] for o in objs.values())

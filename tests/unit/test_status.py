@@ -1,0 +1,157 @@
+"""Status from observed children: a table of situations, each with its verdict."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from omnifleet_operator.checks import check_document
+from omnifleet_operator.status import Observed, compute_status, transition_events
+from omnifleet_runtime.validate import Problem
+
+from ..conftest import REPO
+
+T0, T1 = "2026-11-30T00:00:00Z", "2026-11-30T00:05:00Z"
+
+
+def speech():
+    doc, problems = check_document(yaml.safe_load((REPO / "manifests/samples/speech.yaml").read_text()))
+    assert not problems
+    return doc
+
+
+def dep(name, want, ready=None, updated=None, replicas=None, generation=1, observed=1, conditions=()):
+    ready = want if ready is None else ready
+    return name, {
+        "metadata": {"name": name, "generation": generation},
+        "spec": {"replicas": want},
+        "status": {"replicas": want if replicas is None else replicas, "readyReplicas": ready,
+                   "updatedReplicas": want if updated is None else updated, "observedGeneration": observed,
+                   "conditions": list(conditions)},
+    }
+
+
+def all_ready(**over):
+    deps = dict([dep("speech-master", 1), dep("speech-thinker", 2), dep("speech-talker", 2)])
+    for name, d in over.items():
+        deps[name] = d
+    return deps
+
+
+def pod(stage, unschedulable=False):
+    conds = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+              "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}] if unschedulable else []
+    return {"metadata": {"name": f"{stage}-x", "labels": {"omnifleet.dev/stage": stage,
+                                                          "omnifleet.dev/component": "stage"}},
+            "status": {"conditions": conds}}
+
+
+def status(observed, doc="default", problems=(), prior=None, generation=1, now=T0):
+    return compute_status(name="speech", namespace="default", generation=generation,
+                          doc=speech() if doc == "default" else doc, problems=list(problems),
+                          observed=observed, prior=prior, now=now)
+
+
+def cond(st, ctype):
+    return next(c for c in st["conditions"] if c["type"] == ctype)
+
+
+CASES = {
+    # name: (observed, phase, Ready (status, reason), Stalled, Reconciling, message fragment)
+    "all-ready": (Observed(all_ready()), "Ready", ("True", "AllStagesReady"), "False", "False", ""),
+    "rollout-in-progress": (
+        Observed(all_ready(**{"speech-thinker": dep("speech-thinker", 2, updated=1, replicas=3)[1]})),
+        "Progressing", ("False", "RollingOut"), "False", "True", "thinker (1/2 updated)"),
+    "deployment-not-yet-observed": (
+        Observed(all_ready(**{"speech-talker": dep("speech-talker", 2, generation=2, observed=1)[1]})),
+        "Progressing", ("False", "RollingOut"), "False", "True", "talker"),
+    "children-missing": (Observed({}), "Progressing", ("False", "Creating"), "False", "True",
+                         "master, thinker, talker"),
+    "stage-unschedulable": (
+        Observed(all_ready(**{"speech-talker": dep("speech-talker", 2, ready=0)[1]}),
+                 pods=[pod("talker", unschedulable=True), pod("thinker")]),
+        "Pending", ("False", "CapacityPending"), "False", "True", "stage talker: 1 pod(s) unschedulable"),
+    "stage-zero-ready": (
+        Observed(all_ready(**{"speech-talker": dep("speech-talker", 2, ready=0)[1]})),
+        "Progressing", ("False", "WaitingForReady"), "False", "True", "talker (0/2 ready)"),
+    "replica-failure": (
+        Observed(all_ready(**{"speech-thinker": dep("speech-thinker", 2, ready=0, conditions=[
+            {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+             "message": "pods are forbidden: violates PodSecurity"}])[1]})),
+        "Degraded", ("False", "ReplicaFailure"), "True", "False", "violates PodSecurity"),
+    "progress-deadline": (
+        Observed(all_ready(**{"speech-thinker": dep("speech-thinker", 2, ready=1, conditions=[
+            {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}])[1]})),
+        "Degraded", ("False", "ProgressDeadlineExceeded"), "True", "False", "thinker"),
+}
+
+
+@pytest.mark.parametrize("observed,phase,ready,stalled,reconciling,fragment", CASES.values(), ids=CASES.keys())
+def test_status_table(observed, phase, ready, stalled, reconciling, fragment):
+    st = status(observed)
+    assert st["phase"] == phase
+    assert (cond(st, "Ready")["status"], cond(st, "Ready")["reason"]) == ready
+    assert cond(st, "Stalled")["status"] == stalled
+    assert cond(st, "Reconciling")["status"] == reconciling
+    assert fragment in cond(st, "Ready")["message"]
+    assert st["observedGeneration"] == 1
+    assert all(c["observedGeneration"] == 1 for c in st["conditions"])
+
+
+def test_all_ready_summary():
+    st = status(Observed(all_ready()))
+    assert st["readyStages"] == "3/3"
+    assert st["endpoint"] == "http://speech-master.default.svc:8000"
+    code2wav = next(s for s in st["stages"] if s["name"] == "code2wav")
+    assert code2wav == {"name": "code2wav", "host": "talker", "replicas": 2, "readyReplicas": 2,
+                        "updatedReplicas": 2, "desiredReplicas": 2}
+
+
+def test_invalid_spec():
+    problems = [Problem("spec.stages[1].inputs[0]", "no stage named 'x'")]
+    st = status(Observed(), doc=None, problems=problems, generation=4)
+    assert st["phase"] == "Invalid" and st["observedGeneration"] == 4
+    ready = cond(st, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert "spec.stages[1].inputs[0]: no stage named 'x'" in ready["message"]
+    assert cond(st, "Stalled")["status"] == "True"
+    assert cond(st, "Reconciling")["status"] == "False"
+
+
+def test_lost_stage_after_ready_is_degraded_and_stays_so_until_it_recovers():
+    ready = status(Observed(all_ready()))
+    broken = Observed(all_ready(**{"speech-talker": dep("speech-talker", 2, ready=0)[1]}))
+    st = status(broken, prior=ready, now=T1)
+    assert st["phase"] == "Degraded"
+    assert cond(st, "Degraded")["status"] == "True" and cond(st, "Degraded")["reason"] == "StageUnavailable"
+    st2 = status(broken, prior=st, now=T1)
+    assert cond(st2, "Degraded")["status"] == "True"
+    healed = status(Observed(all_ready()), prior=st2, now=T1)
+    assert cond(healed, "Degraded")["status"] == "False" and healed["phase"] == "Ready"
+
+
+def test_transition_time_is_stable_and_recomputation_is_identical():
+    first = status(Observed(all_ready()), now=T0)
+    again = status(Observed(all_ready()), prior=first, now=T1)
+    assert again == first  # nothing changed: nothing to write
+    flipped = status(Observed(all_ready(**{"speech-talker": dep("speech-talker", 2, ready=1)[1]})),
+                     prior=first, now=T1)
+    assert cond(flipped, "Ready")["lastTransitionTime"] == T1
+    assert cond(flipped, "Stalled")["lastTransitionTime"] == T0  # did not flip
+
+
+def test_autoscaled_stage_desired_comes_from_the_live_deployment():
+    doc, _ = check_document(yaml.safe_load((REPO / "manifests/samples/autoscaled.yaml").read_text()))
+    deps = dict([dep("autoscaled-master", 1), dep("autoscaled-prep", 1), dep("autoscaled-llm", 5)])
+    st = compute_status(name="autoscaled", namespace="default", generation=1, doc=doc, problems=[],
+                        observed=Observed(deps), prior=None, now=T0)
+    assert st["phase"] == "Ready"
+    assert next(s for s in st["stages"] if s["name"] == "llm")["desiredReplicas"] == 5
+
+
+def test_events_only_on_transitions():
+    ready = status(Observed(all_ready()))
+    assert [(e.type, e.reason) for e in transition_events(None, ready)] == [("Normal", "Ready")]
+    assert transition_events(ready, ready) == []
+    pending = status(Observed(all_ready(), pods=[pod("talker", unschedulable=True)]), prior=ready, now=T1)
+    assert [(e.type, e.reason) for e in transition_events(ready, pending)] == [("Warning", "CapacityPending")]
