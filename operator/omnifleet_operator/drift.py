@@ -26,11 +26,16 @@ def _key_of(items: list[Any]) -> str | None:
     return None
 
 
+def _zero(value: Any) -> bool:
+    # The API server leaves out `omitempty` fields holding their zero value.
+    return value is False or value == 0 or value in ("", [], {})
+
+
 def is_subset(desired: Any, live: Any) -> bool:
     if isinstance(desired, dict):
         if not isinstance(live, dict):
             return False
-        return all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+        return all(is_subset(v, live[k]) if k in live else _zero(v) for k, v in desired.items())
     if isinstance(desired, list):
         if not isinstance(live, list):
             return False

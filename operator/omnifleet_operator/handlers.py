@@ -26,7 +26,7 @@ log = logging.getLogger("omnifleet.operator")
 
 RESYNC_SECONDS = float(os.environ.get("OMNIFLEET_RESYNC_SECONDS", "60"))
 WORKERS = int(os.environ.get("OMNIFLEET_WORKERS", "8"))
-WATCH_TIMEOUT = float(os.environ.get("OMNIFLEET_WATCH_TIMEOUT", "300"))
+WATCH_TIMEOUT = int(os.environ.get("OMNIFLEET_WATCH_TIMEOUT", "300"))
 
 # (group, version, plural) of each kind the operator renders; pods only for status.
 CHILD_RESOURCES = [
@@ -210,9 +210,10 @@ def main(argv: list[str]) -> int:
                         help="kopf liveness endpoint (default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kopf.configure(verbose=args.verbose)
+    kopf.configure(verbose=args.verbose)  # kopf's own log format, for every logger
+    if not args.verbose:  # else one line per request and per handler call
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
              liveness_endpoint=args.liveness)
     return 0

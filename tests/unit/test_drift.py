@@ -31,3 +31,8 @@ def test_scalar_lists_must_match_exactly():
     assert is_subset({"args": ["a", "b"]}, {"args": ["a", "b"]})
     assert not is_subset({"args": ["a", "b"]}, {"args": ["a", "b", "c"]})
     assert not is_subset({"args": ["a", "b"]}, {"args": ["b", "a"]})
+
+
+def test_omitted_zero_values_match():
+    assert is_subset({"spec": {"publishNotReadyAddresses": False, "ports": []}}, {"spec": {}})
+    assert not is_subset({"spec": {"publishNotReadyAddresses": True}}, {"spec": {}})
