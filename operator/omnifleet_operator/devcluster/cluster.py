@@ -1,0 +1,650 @@
+"""A real Kubernetes control plane on loopback, envtest-style, for tests and the dev loop.
+
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok (which
+plays kubelet for fake nodes and pods) run as local processes built by
+build.py. Everything lives in one state directory (pidfiles, logs, certs,
+kubeconfigs), so `up` twice reuses the running cluster and `down` stops all
+it started. Only 127.0.0.1 is ever contacted: the ClusterIPs and pod IPs
+kwok hands out are bookkeeping and not routable.
+
+    with DevCluster(tmp_path) as c:
+        c.add_node("gpu-0", gpus=8)
+        c.kubectl("get", "nodes")
+
+Dev loop:  python operator/omnifleet_operator/devcluster/cluster.py up|down|status
+(state in ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/dev/). Stdlib only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+if __package__:
+    from . import build
+else:  # run as a script: the script's directory is on sys.path
+    import build  # type: ignore[no-redef]
+
+# Start order; `down` stops in reverse.
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+SERVICE_CIDR = "172.20.0.0/16"  # kept apart from the pod CIDR below
+POD_CIDR = "10.0.0.0/8"  # kwok's default is a /24: too small for scale tests
+STOP_GRACE_S = 10.0
+
+
+class DevClusterError(RuntimeError):
+    pass
+
+
+def default_state_dir() -> Path:
+    return build.cache_root() / "dev"
+
+
+def kstatus(obj: dict) -> dict:
+    """What sigs.k8s.io/cli-utils kstatus (Flux's health check) makes of an object."""
+    exe = build.ensure_binaries(verbose=False)["kstatus"]
+    out = subprocess.run([exe], input=json.dumps(obj), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def _free_ports(n: int) -> list[int]:
+    # Hold all sockets until every port is picked so the n ports are distinct.
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _proc_start_time(pid: int) -> str | None:
+    """Start time of a live process (guards against PID reuse); None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":  # zombie: reap it if it is our child
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        return None
+    return fields[19]
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode:
+        raise DevClusterError(f"openssl {args[0]} failed: {proc.stderr.strip()}")
+
+
+def _make_certs(d: Path) -> None:
+    """A CA, the apiserver's serving cert (loopback SANs) and the service-account key."""
+    d.mkdir(parents=True, exist_ok=True)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "3650",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-subj",
+        "/CN=omnifleet-devcluster-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        cwd=d,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "apiserver.key",
+        "-out",
+        "apiserver.csr",
+        "-subj",
+        "/CN=kube-apiserver",
+        cwd=d,
+    )
+    (d / "apiserver.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+        "extendedKeyUsage=serverAuth\n"
+        # Explicit key identifiers: strict verifiers (Python 3.13+) require them.
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "apiserver.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        "apiserver.ext",
+        "-out",
+        "apiserver.crt",
+        cwd=d,
+    )
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+
+
+class DevCluster:
+    def __init__(self, state_dir: str | os.PathLike | None = None, *, timeout: float = 90.0):
+        self.state_dir = Path(state_dir or default_state_dir()).resolve()
+        self.timeout = timeout  # per component readiness
+        self._info: dict | None = None
+        self._procs: dict[str, subprocess.Popen] = {}
+        self.up_seconds: float | None = None  # start-up time of the last fresh up()
+
+    # --- paths and connection details --------------------------------------
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "admin.kubeconfig"
+
+    @property
+    def _info_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    @property
+    def info(self) -> dict:
+        if self._info is None:
+            if not self._info_file.exists():
+                raise DevClusterError(f"no cluster in {self.state_dir}: call up() first")
+            self._info = json.loads(self._info_file.read_text())
+        return self._info
+
+    @property
+    def apiserver_url(self) -> str:
+        return f"https://127.0.0.1:{self.info['ports']['apiserver']}"
+
+    @property
+    def admin_token(self) -> str:
+        return self.info["token"]
+
+    @property
+    def ca_file(self) -> Path:
+        return self.state_dir / "pki" / "ca.crt"
+
+    def _bin(self, name: str) -> str:
+        return str(build.bin_dir() / name)
+
+    def _log(self, name: str) -> Path:
+        return self.state_dir / "logs" / f"{name}.log"
+
+    def _pidfile(self, name: str) -> Path:
+        return self.state_dir / "pids" / f"{name}.pid"
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def __enter__(self) -> DevCluster:
+        self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def is_running(self) -> bool:
+        """All processes from the state dir alive and every component ready."""
+        if not self._info_file.exists() or not all(self._pid(n) for n in COMPONENTS):
+            return False
+        try:
+            for name in COMPONENTS:
+                self._check_ready(name)
+        except Exception:
+            return False
+        return True
+
+    def up(self) -> DevCluster:
+        binaries = build.ensure_binaries(verbose=False)
+        if self.is_running():
+            return self
+        self.down()  # a half-dead previous cluster: stop whatever is left
+        started = time.monotonic()
+        for attempt in range(3):
+            # Fresh state each time: a kept etcd data dir would remember old ports.
+            if self.state_dir.exists():
+                shutil.rmtree(self.state_dir)
+            for sub in ("logs", "pids", "pki", "kwok-home"):
+                (self.state_dir / sub).mkdir(parents=True)
+            try:
+                self._start_all(binaries)
+                break
+            except DevClusterError as e:
+                self.down()
+                # A free port picked at start can be taken by someone else
+                # before the component binds it (parallel tests): pick again.
+                if "address already in use" not in str(e) or attempt == 2:
+                    raise
+            except BaseException:
+                self.down()
+                raise
+        self.up_seconds = time.monotonic() - started
+        return self
+
+    def _start_all(self, binaries: dict[str, Path]) -> None:
+        s, pki = self.state_dir, self.state_dir / "pki"
+        names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
+        ports = dict(zip(names, _free_ports(len(names)), strict=True))
+        self._info = {"ports": ports, "token": secrets.token_hex(24)}
+        _make_certs(pki)
+        (pki / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
+        self._info_file.write_text(json.dumps(self._info, indent=2))
+
+        etcd_url = f"http://127.0.0.1:{ports['etcd']}"
+        peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
+        self._start(
+            "etcd",
+            [
+                binaries["etcd"],
+                "--name=default",
+                f"--data-dir={s / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=default={peer_url}",
+                "--unsafe-no-fsync",  # throwaway data: fsync only slows tests down
+                "--log-level=warn",
+            ],
+        )
+        self._wait_ready("etcd")
+
+        self._start(
+            "kube-apiserver",
+            [
+                binaries["kube-apiserver"],
+                f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",  # else it looks for a default route
+                f"--secure-port={ports['apiserver']}",
+                f"--cert-dir={pki}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}",
+                f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--token-auth-file={pki / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                # Client certs signed by our CA (also the CSR signer's) authenticate too.
+                f"--client-ca-file={pki / 'ca.crt'}",
+                "--endpoint-reconciler-type=none",  # no real endpoint for the kubernetes Service
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--allow-privileged=true",
+            ],
+        )
+        self._wait_ready("kube-apiserver")
+        self._write_kubeconfig(self.kubeconfig, "admin", self.admin_token)
+
+        kc = str(self.kubeconfig)
+        # Delegated authn/authz lets /metrics on these servers accept the admin token.
+        # Skip-lookup: token review is all we use; reading client-cert/request-header
+        # CAs from the extension-apiserver-authentication ConfigMap only logs errors.
+        delegated = [
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--authentication-skip-lookup=true",
+        ]
+        self._start(
+            "kube-controller-manager",
+            [
+                binaries["kube-controller-manager"],
+                f"--kubeconfig={kc}",
+                *delegated,
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={ports['controller-manager']}",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={pki / 'ca.crt'}",  # published as kube-root-ca.crt
+                f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+                f"--cluster-signing-key-file={pki / 'ca.key'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                # The defaults (20/30) throttle scale tests.
+                "--kube-api-qps=200",
+                "--kube-api-burst=400",
+            ],
+        )
+        # The scheduler's --kube-api-qps flags are deprecated: use its config file.
+        sched_cfg = s / "scheduler.yaml"
+        sched_cfg.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "kubescheduler.config.k8s.io/v1",
+                    "kind": "KubeSchedulerConfiguration",
+                    "clientConnection": {"kubeconfig": kc, "qps": 200, "burst": 400},
+                    "leaderElection": {"leaderElect": False},
+                }
+            )
+        )
+        self._start(
+            "kube-scheduler",
+            [
+                binaries["kube-scheduler"],
+                f"--config={sched_cfg}",
+                *delegated,
+                "--bind-address=127.0.0.1",
+                f"--secure-port={ports['scheduler']}",
+            ],
+        )
+        self._start(
+            "kwok",
+            [
+                binaries["kwok"],
+                f"--kubeconfig={kc}",
+                "--manage-all-nodes=true",
+                f"--cidr={POD_CIDR}",
+                "--node-ip=127.0.0.1",
+                f"--server-address=127.0.0.1:{ports['kwok']}",
+                # kwok applies no stages by itself: node-initialize, heartbeat, pod lifecycle.
+                *(f"--config={p}" for p in build.stage_files()),
+            ],
+            env={"HOME": str(s / "kwok-home")},  # else it reads ~/.kwok/kwok.yaml
+        )
+        for name in COMPONENTS[2:]:
+            self._wait_ready(name)
+        # Pods are refused until the ServiceAccount controller made `default`.
+        self._wait(
+            lambda: self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0,
+            "kube-controller-manager",
+            "the default ServiceAccount",
+        )
+
+    def down(self) -> None:
+        """Stop every process of this state dir: SIGTERM, then SIGKILL after a grace period."""
+        # etcd last: an apiserver that loses etcd first hangs in its graceful shutdown.
+        self._stop([n for n in COMPONENTS if n != "etcd"])
+        self._stop(["etcd"])
+        self._procs.clear()
+        # Keep logs, certs and kubeconfigs for post-mortems; etcd data is the bulk.
+        shutil.rmtree(self.state_dir / "etcd", ignore_errors=True)
+
+    def _stop(self, names: list[str]) -> None:
+        alive = {n: pid for n in names if (pid := self._pid(n))}
+        for pid in alive.values():
+            self._signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while alive and time.monotonic() < deadline:
+            alive = {n: p for n, p in alive.items() if self._alive(n, p)}
+            time.sleep(0.05)
+        for pid in alive.values():
+            self._signal(pid, signal.SIGKILL)
+        for name, pid in alive.items():
+            for _ in range(100):
+                if not self._alive(name, pid):
+                    break
+                time.sleep(0.05)
+            else:
+                raise DevClusterError(f"{name} (pid {pid}) survived SIGKILL")
+        for name in names:
+            self._pidfile(name).unlink(missing_ok=True)
+
+    # --- processes ------------------------------------------------------------
+
+    def _start(self, name: str, argv: list, env: dict | None = None) -> None:
+        with self._log(name).open("ab") as log:
+            # Own session = own process group: down() can kill the whole group,
+            # and a Ctrl-C in the dev loop's terminal does not reach it.
+            proc = subprocess.Popen(
+                [str(a) for a in argv],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.state_dir,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        self._procs[name] = proc
+        self._pidfile(name).write_text(f"{proc.pid} {_proc_start_time(proc.pid)}\n")
+
+    def _pid(self, name: str) -> int | None:
+        """PID from the pidfile if that very process is still alive."""
+        try:
+            pid_s, start = self._pidfile(name).read_text().split()
+        except (OSError, ValueError):
+            return None
+        return int(pid_s) if _proc_start_time(int(pid_s)) == start else None
+
+    def _alive(self, name: str, pid: int) -> bool:
+        proc = self._procs.get(name)
+        if proc is not None:
+            return proc.poll() is None
+        return _proc_start_time(pid) is not None
+
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    # --- readiness ------------------------------------------------------------
+
+    def _get(self, url: str, *, token: str | None = None, verify: bool = True, timeout: float = 5) -> str:
+        if url.startswith("https"):
+            ctx = ssl.create_default_context(cafile=str(self.ca_file)) if verify else ssl._create_unverified_context()
+        else:
+            ctx = None
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urllib.request.urlopen(req, context=ctx, timeout=timeout) as r:
+            return r.read().decode()
+
+    def _check_ready(self, name: str) -> None:
+        p = self.info["ports"]
+        if name == "etcd":
+            body = self._get(f"http://127.0.0.1:{p['etcd']}/health")
+            if '"health":"true"' not in body.replace(" ", ""):
+                raise DevClusterError(body)
+        elif name == "kube-apiserver":
+            self._get(f"{self.apiserver_url}/readyz", token=self.admin_token)
+        elif name == "kube-controller-manager":
+            # Self-signed in-memory serving certs: nothing to verify against.
+            self._get(f"https://127.0.0.1:{p['controller-manager']}/healthz", verify=False)
+        elif name == "kube-scheduler":
+            self._get(f"https://127.0.0.1:{p['scheduler']}/readyz", verify=False)
+        elif name == "kwok":
+            self._get(f"http://127.0.0.1:{p['kwok']}/healthz")
+
+    def _wait_ready(self, name: str) -> None:
+        def ready() -> bool:
+            self._check_ready(name)
+            return True
+
+        self._wait(ready, name, "readiness")
+
+    def _wait(self, predicate, name: str, what: str) -> None:
+        deadline, last = time.monotonic() + self.timeout, None
+        while True:
+            pid = self._pid(name)
+            if pid is None or not self._alive(name, pid):
+                raise DevClusterError(
+                    f"{name} exited during start-up; log {self._log(name)}:\n{_tail(self._log(name))}"
+                )
+            try:
+                if predicate():
+                    return
+            except (OSError, urllib.error.URLError, DevClusterError, ssl.SSLError) as e:
+                last = e
+            if time.monotonic() > deadline:
+                raise DevClusterError(
+                    f"{name}: timed out after {self.timeout:.0f}s waiting for {what}"
+                    f" (last error: {last}); log {self._log(name)}:\n{_tail(self._log(name))}"
+                )
+            time.sleep(0.2)
+
+    # --- API helpers ------------------------------------------------------------
+
+    def _write_kubeconfig(self, path: Path, user: str, token: str) -> Path:
+        # JSON is valid YAML; the CA is inlined so the file can be copied anywhere.
+        ca = base64.b64encode(self.ca_file.read_bytes()).decode()
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "devcluster",
+                    "clusters": [
+                        {
+                            "name": "devcluster",
+                            "cluster": {"server": self.apiserver_url, "certificate-authority-data": ca},
+                        }
+                    ],
+                    "users": [{"name": user, "user": {"token": token}}],
+                    "contexts": [{"name": "devcluster", "context": {"cluster": "devcluster", "user": user}}],
+                },
+                indent=2,
+            )
+        )
+        path.chmod(0o600)
+        return path
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        kubeconfig: Path | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess:
+        """Run kubectl against this cluster (admin by default); raise with stderr on failure."""
+        argv = [
+            self._bin("kubectl"),
+            f"--kubeconfig={kubeconfig or self.kubeconfig}",
+            # Own discovery cache: another cluster may have had the same port.
+            f"--cache-dir={self.state_dir / 'kubectl-cache'}",
+            *args,
+        ]
+        proc = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode:
+            raise DevClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def metrics(self) -> str:
+        """The apiserver's Prometheus /metrics, read with the admin token."""
+        return self._get(f"{self.apiserver_url}/metrics", token=self.admin_token, timeout=30)
+
+    def sa_kubeconfig(self, namespace: str, sa: str, duration: str = "24h") -> Path:
+        """A kubeconfig authenticating as ServiceAccount namespace/sa (created if missing)."""
+        made = self.kubectl("create", "serviceaccount", sa, "-n", namespace, check=False)
+        if made.returncode and "already exists" not in made.stderr.lower():
+            raise DevClusterError(f"creating ServiceAccount {namespace}/{sa}: {made.stderr.strip()}")
+        token = self.kubectl("create", "token", sa, "-n", namespace, f"--duration={duration}").stdout.strip()
+        return self._write_kubeconfig(
+            self.state_dir / f"sa-{namespace}-{sa}.kubeconfig", f"system:serviceaccount:{namespace}:{sa}", token
+        )
+
+    def add_node(
+        self,
+        name: str,
+        gpus: int = 8,
+        cpu: str = "64",
+        memory: str = "512Gi",
+        pods: int = 110,
+        labels: dict | None = None,
+        taints: list | None = None,
+        wait: bool = True,
+    ) -> dict:
+        """Create a fake Node that kwok keeps Ready; a scale-up by the autoscaler, simulated.
+
+        The scheduler counts extended resources such as nvidia.com/gpu from the
+        Node's status alone: no device plugin needed. A Node's status may be
+        set on create (not on update), which is why it is in the manifest.
+        """
+        resources = {"cpu": cpu, "memory": memory, "pods": str(pods)}
+        if gpus:
+            resources["nvidia.com/gpu"] = str(gpus)
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                # kwok's conventional marker; --manage-all-nodes manages it regardless.
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    "type": "kwok",
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    **({"nvidia.com/gpu.present": "true"} if gpus else {}),
+                    **(labels or {}),
+                },
+            },
+            "spec": {"taints": taints or []},
+            "status": {"capacity": resources, "allocatable": dict(resources)},
+        }
+        self.kubectl("create", "-f", "-", input=json.dumps(node))
+        if wait:
+            self.kubectl(
+                "wait",
+                "--for=condition=Ready",
+                f"node/{name}",
+                f"--timeout={self.timeout:.0f}s",
+                timeout=self.timeout + 10,
+            )
+        return node
+
+    def remove_node(self, name: str) -> None:
+        self.kubectl("delete", "node", name, "--ignore-not-found")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="omnifleet dev control plane (etcd, apiserver, kwok ...)")
+    p.add_argument("action", choices=("up", "down", "status"))
+    p.add_argument("--state-dir", type=Path, default=default_state_dir())
+    args = p.parse_args(argv)
+    c = DevCluster(args.state_dir)
+    try:
+        if args.action == "up":
+            c.up()
+            print(f"export KUBECONFIG={c.kubeconfig}")
+        elif args.action == "down":
+            c.down()
+        else:
+            running = c.is_running()
+            print(f"running: {c.apiserver_url}" if running else "not running")
+            return 0 if running else 1
+    except (DevClusterError, build.BuildError) as e:
+        print(f"devcluster: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
