@@ -137,12 +137,14 @@ async def reconcile(api: Api, body: Obj, children: Children, registered: dict[st
     outcome = Outcome()
     doc, problems = parse(body)
     apply_error = None
+    applied: list[str] = []
     if doc is not None:
         # The CR's namespace is where children go, whatever the spec document said.
         todo = plan(render.desired(doc, owner_uid=uid), children, uid)
         try:
             for obj in todo.apply:
                 await api.apply(obj)
+                applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
                 outcome.applied += 1
             for obj in todo.delete:
                 await api.delete(obj)
@@ -156,7 +158,7 @@ async def reconcile(api: Api, body: Obj, children: Children, registered: dict[st
     status = compute_status(
         name=name, namespace=namespace, generation=generation, doc=doc, problems=problems,
         observed=Observed(deployments=deployments, pods=children.pods, registered=registered),
-        prior=prior, now=now_iso(), apply_error=apply_error,
+        prior=prior, now=now_iso(), apply_error=apply_error, applied=applied,
     )
     if status != prior:
         await api.write_status(namespace, name, status)

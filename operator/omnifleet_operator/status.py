@@ -202,8 +202,12 @@ def _prior_condition(prior: Obj, ctype: str) -> Obj:
 
 def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipeline | None,
                    problems: list[Problem], observed: Observed, prior: Obj | None, now: str,
-                   apply_error: str | None = None) -> Obj:
-    """The whole `.status` of a pipeline. Pure: same inputs, same output."""
+                   apply_error: str | None = None, applied: list[str] = ()) -> Obj:
+    """The whole `.status` of a pipeline. Pure: same inputs, same output.
+
+    `applied` names the children this pass just changed: `observed` predates
+    those writes, so it cannot show the pipeline Ready yet.
+    """
     prior = prior or {}
     if problems or doc is None:
         shown = "; ".join(map(str, problems[:3])) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
@@ -228,6 +232,8 @@ def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipel
     verdict = Verdict(APPLY_FAILED, apply_error) if apply_error else None
     for check in CHECKS:
         verdict = verdict or check(views, observed)
+    if verdict is None and applied:
+        verdict = Verdict(ROLLING_OUT, "applied " + ", ".join(applied))
 
     stages = []
     ready_count = 0

@@ -155,3 +155,14 @@ def test_events_only_on_transitions():
     assert transition_events(ready, ready) == []
     pending = status(Observed(all_ready(), pods=[pod("talker", unschedulable=True)]), prior=ready, now=T1)
     assert [(e.type, e.reason) for e in transition_events(ready, pending)] == [("Warning", "CapacityPending")]
+
+
+def test_a_pass_that_changed_children_is_not_ready_yet():
+    st = status(Observed(all_ready()))
+    changed = compute_status(name="speech", namespace="default", generation=2, doc=speech(), problems=[],
+                             observed=Observed(all_ready()), prior=st, now=T1,
+                             applied=["Deployment/speech-thinker"])
+    ready = cond(changed, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "RollingOut")
+    assert "Deployment/speech-thinker" in ready["message"]
+    assert changed["observedGeneration"] == 2

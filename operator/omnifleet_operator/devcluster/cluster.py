@@ -43,6 +43,15 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 SERVICE_CIDR = "172.20.0.0/16"  # kept apart from the pod CIDR below
 POD_CIDR = "10.0.0.0/8"  # kwok's default is a /24: too small for scale tests
 STOP_GRACE_S = 10.0
+# Log every write once (at ResponseComplete), nothing else.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+    "omitStages": ["RequestReceived", "ResponseStarted", "Panic"],
+    "rules": [
+        {"level": "Metadata", "verbs": ["create", "update", "patch", "delete", "deletecollection"]},
+        {"level": "None"},
+    ],
+}
 
 
 class DevClusterError(RuntimeError):
@@ -266,6 +275,7 @@ class DevCluster:
         ports = dict(zip(names, _free_ports(len(names)), strict=True))
         self._info = {"ports": ports, "token": secrets.token_hex(24)}
         _make_certs(pki)
+        (s / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
         (pki / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
         self._info_file.write_text(json.dumps(self._info, indent=2))
 
@@ -309,6 +319,10 @@ class DevCluster:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--allow-privileged=true",
+                # Who wrote what: tests count an operator's writes from this log.
+                f"--audit-policy-file={s / 'audit-policy.json'}",
+                f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json",
             ],
         )
         self._wait_ready("kube-apiserver")
@@ -555,6 +569,26 @@ class DevCluster:
         if check and proc.returncode:
             raise DevClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc
+
+    @property
+    def audit_log(self) -> Path:
+        return self.state_dir / "logs" / "audit.jsonl"
+
+    def writes(self, user: str | None = None, since_line: int = 0) -> list[dict]:
+        """Write requests (create/update/patch/delete) from the audit log, optionally of one user."""
+        try:
+            lines = self.audit_log.read_text().splitlines()[since_line:]
+        except OSError:
+            return []
+        events = [json.loads(line) for line in lines if line.strip()]
+        return [e for e in events if user is None or e.get("user", {}).get("username") == user]
+
+    def audit_lines(self) -> int:
+        """The audit log's length now: pass it as `since_line` to count later writes only."""
+        try:
+            return len(self.audit_log.read_text().splitlines())
+        except OSError:
+            return 0
 
     def metrics(self) -> str:
         """The apiserver's Prometheus /metrics, read with the admin token."""
