@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from omnifleet_runtime import constants as C
+from omnifleet_runtime.config import ROUTING_FIELDS
 from omnifleet_runtime.schema import EnvVar, OmniPipeline, Resources, Toleration
 from omnifleet_runtime.validate import dump, resolve
 
@@ -64,9 +65,12 @@ def group_view(doc: OmniPipeline, host: str) -> Obj:
 
 
 def master_view(doc: OmniPipeline) -> Obj:
-    """What the master reads: the graph and the request defaults, not engine settings."""
-    keep = ("name", "type", "model", "inputs", "inputProcessor", "inputMode", "finalOutput",
-            "samplingParams", "colocateWith")
+    """What the master reads: routing and request defaults, not engine settings.
+
+    It covers every stage's ROUTING_FIELDS, and a stage's own pods roll when
+    those change, so master and stages always agree on them after a rollout.
+    """
+    keep = ROUTING_FIELDS + ("model", "samplingParams")
     d = dump(resolve(doc))["spec"]
     return {"model": d.get("model"), "master": d["master"],
             "stages": [{k: s[k] for k in keep if k in s} for s in d["stages"]]}

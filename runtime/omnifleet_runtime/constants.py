@@ -57,3 +57,17 @@ COMPONENT_STAGE = "stage"
 ENV_POD_NAME = "OMNIFLEET_POD_NAME"
 ENV_POD_NAMESPACE = "OMNIFLEET_NAMESPACE"
 ENV_POD_IP = "OMNIFLEET_POD_IP"  # advertised for stage-to-stage data
+
+# Liveness between master and stage replicas (heartbeats flow both ways):
+# a silent peer is declared dead after HEARTBEAT_TIMEOUT_S, so a dead replica
+# is noticed within about HEARTBEAT_INTERVAL_S + HEARTBEAT_TIMEOUT_S.
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 1.5
+# How long an accepted request waits for a replica of a stage that has none.
+REPLICA_WAIT_TIMEOUT_S = 30.0
+# Default deadline of a control RPC to the replicas of a stage.
+CONTROL_TIMEOUT_S = 10.0
+# How long a stage finishes in-flight work after SIGTERM before it aborts it.
+DRAIN_TIMEOUT_S = 30.0
+# Exit status of a stage whose protocol version the master refused.
+EXIT_PROTOCOL_MISMATCH = 3

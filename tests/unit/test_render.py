@@ -143,3 +143,33 @@ def test_network_policy_admits_zmq_only_from_the_pipeline():
 def test_no_owner_reference_without_uid():
     objs = render(copy.deepcopy(sample("single")), uid=None)
     assert all("ownerReferences" not in o["metadata"] for o in objs.values())
+
+
+def test_registration_hashes_agree_with_what_rolls():
+    """A stage is admitted by the master when both hold the same routing view of it.
+
+    Whatever a spec change does, every stage whose routing hash changed must
+    have its pods rolled, and so must the master: else one side keeps an
+    older view and registration is refused for good.
+    """
+    from omnifleet_runtime.config import config_hash
+
+    def parsed(doc):
+        return check_document(doc)[0]
+
+    base_doc = sample("speech")
+    changes = {
+        "engine-args": lambda d: d["spec"]["stages"][0]["engineArgs"].update(max_num_seqs=1),
+        "processor": lambda d: d["spec"]["stages"][1].update(inputProcessor="pkg:other"),
+        "input-mode": lambda d: d["spec"]["stages"][2].update(inputMode="whole"),
+        "replicas": lambda d: d["spec"]["stages"][1].update(replicas=7),
+    }
+    for label, change in changes.items():
+        doc = sample("speech")
+        change(doc)
+        before, after = render(base_doc), render(doc)
+        for s in parsed(doc).spec.stages:
+            if config_hash(parsed(base_doc), s.name) != config_hash(parsed(doc), s.name):
+                host = s.colocate_with or s.name
+                assert template_hash(before, f"speech-{host}") != template_hash(after, f"speech-{host}"), label
+                assert template_hash(before, "speech-master") != template_hash(after, "speech-master"), label

@@ -1,0 +1,36 @@
+"""Read the pipeline file every runtime process starts from, and its hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import yaml
+
+from .schema import OmniPipeline
+from .validate import dump, load_pipeline, resolve
+
+
+def load_config(path: str) -> OmniPipeline:
+    """The resolved pipeline in the file at path (InvalidPipeline names every problem)."""
+    with open(path, encoding="utf-8") as f:
+        return resolve(load_pipeline(yaml.safe_load(f)))
+
+
+# What master and stage must agree on about a stage. Only these: the operator
+# rolls a stage's pods when its own settings change and the master's when
+# routing changes, so other stages keep running an older file, rightly.
+ROUTING_FIELDS = ("name", "type", "inputs", "inputProcessor", "inputMode", "finalOutput", "colocateWith")
+
+
+def routing_view(doc: OmniPipeline, stage: str) -> dict:
+    for s in dump(resolve(doc))["spec"]["stages"]:
+        if s["name"] == stage:
+            return {k: s[k] for k in ROUTING_FIELDS if k in s}
+    raise KeyError(stage)
+
+
+def config_hash(doc: OmniPipeline, stage: str) -> str:
+    """sha256 of one stage's routing view, sent at registration and checked by the master."""
+    canonical = json.dumps(routing_view(doc, stage), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

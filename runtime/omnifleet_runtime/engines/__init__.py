@@ -1,0 +1,20 @@
+"""Stage engines, imported lazily so a stage loads only the one it runs."""
+
+from __future__ import annotations
+
+from ..schema import Stage
+from .base import Engine, EngineRequest, load_callable
+
+__all__ = ["Engine", "EngineRequest", "load_callable", "make_engine"]
+
+
+def make_engine(stage: Stage, replica: str) -> Engine:
+    if stage.type == "python":
+        from .python import PythonEngine
+
+        return PythonEngine(stage, replica)
+    if stage.type == "torch":
+        from .torch import TorchEngine
+
+        return TorchEngine(stage, replica)
+    raise NotImplementedError(f"stage {stage.name!r}: the {stage.type} engine is not available in this build")

@@ -1,0 +1,58 @@
+"""The engine interface every stage engine implements, and callable references.
+
+A stage process owns one engine. The stage feeds it one EngineRequest per
+request and sends whatever generate() yields downstream, chunk by chunk. New
+engine kinds (vLLM, diffusion) implement this class; neither the master nor
+the stage loop changes for them.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from ..wire import RequestInfo
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    # The stage's inputs, as its input processor made them: one item in
+    # `whole` mode, one item per upstream chunk in `stream` mode.
+    inputs: AsyncIterator[Any]
+    sampling_params: dict[str, Any]
+    info: RequestInfo
+
+
+class Engine(abc.ABC):
+    # Requests the stage lets into generate() at once; None means no limit
+    # (engines that batch, like vLLM, queue internally).
+    max_concurrency: int | None = None
+
+    async def start(self) -> None:
+        """Load weights and warm up; called once before the stage registers."""
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Output chunks for one request. Cancelling the iteration aborts the request."""
+
+    async def abort(self, request_id: str) -> None:
+        """Free what the request holds (called after its generate() was cancelled)."""
+
+    async def control(self, method: str, args: dict[str, Any]) -> Any:
+        """A control RPC (sleep/wake, profiling, ...); raise for an unsupported method."""
+        raise ValueError(f"unsupported control method {method!r}")
+
+    async def shutdown(self) -> None:
+        """Release the engine; called once on exit."""
+
+
+def load_callable(ref: str) -> Any:
+    """The object named by `package.module:attr.path`."""
+    module_name, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,253 @@
+"""Move each request through the stage graph; survive replicas coming and going.
+
+For one request the orchestrator picks a replica per stage (least outstanding
+work; a downstream stage prefers the replica in the same pod as its upstream)
+and dispatches the request to all of them at once. Each Dispatch names where
+that replica sends its output: the downstream replicas' data ports, and the
+master for final outputs. So stage-to-stage payloads never pass through the
+master; it sees small control messages and the final outputs it streams to
+the client.
+
+When a replica is lost, a request that has not streamed anything to its
+client is dispatched again as a new attempt (its other stage tasks are
+aborted; messages of an old attempt are ignored); one that has streamed ends
+with an error event. A request waits, bounded, for a stage with no replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import wire
+from .membership import Membership, Replica
+from .metrics import MasterMetrics
+from .schema import PipelineSpec
+from .validate import topological_order
+
+log = logging.getLogger("omnifleet.orchestrator")
+
+
+class NoReplica(Exception):
+    def __init__(self, stages: list[str]):
+        self.stages = stages
+        super().__init__(f"no replica of stage(s) {', '.join(stages)} is registered")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # "output" | "error" | "end"
+    stage: str = ""
+    payload: Any = None
+    message: str = ""
+    status: int = 500
+    code: str = ""
+
+
+@dataclass(eq=False)
+class Run:
+    """One client request in flight."""
+
+    info: wire.RequestInfo
+    sampling: dict[str, dict[str, Any]]
+    started: float = field(default_factory=time.monotonic)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    attempt: int = 0
+    plan: dict[str, Replica] = field(default_factory=dict)
+    pending: set[str] = field(default_factory=set)  # stages of this attempt not done yet
+    dispatched_at: float = 0.0
+    streamed: bool = False
+    closed: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.info.request_id
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        membership: Membership,
+        send: Callable[[bytes, wire.Msg], None],
+        metrics: MasterMetrics,
+        replica_wait_s: float,
+    ):
+        self.spec = spec
+        self.membership = membership
+        self.send = send
+        self.metrics = metrics
+        self.replica_wait_s = replica_wait_s
+        self.order = topological_order(spec)
+        self.final = {s.name for s in spec.stages if s.final_output != "none"}
+        self.downstream = {s.name: [t.name for t in spec.stages if s.name in t.inputs] for s in spec.stages}
+        self.runs: dict[str, Run] = {}
+        self._calls: dict[str, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ requests
+
+    def start(self, info: wire.RequestInfo, sampling: dict[str, dict[str, Any]]) -> Run:
+        """Admit and dispatch a request, or raise NoReplica naming the stages without one."""
+        missing = self.membership.missing()
+        if missing:
+            raise NoReplica(missing)
+        run = Run(info, sampling)
+        self.runs[run.id] = run
+        self._dispatch(run, self._plan())
+        return run
+
+    def _plan(self) -> dict[str, Replica] | None:
+        plan: dict[str, Replica] = {}
+        for name in self.order:
+            candidates = self.membership.routable(name)
+            if not candidates:
+                return None
+            pods = {plan[u].replica for u in self.spec.stage(name).inputs}
+            local = [r for r in candidates if r.replica in pods]
+            plan[name] = min(local or candidates, key=lambda r: (r.outstanding, r.assigned))
+        return plan
+
+    def _dispatch(self, run: Run, plan: dict[str, Replica]) -> None:
+        run.plan, run.pending, run.dispatched_at = plan, set(plan), time.monotonic()
+        for rep in plan.values():
+            rep.outstanding += 1
+            rep.assigned += 1
+        # Downstream first, so a replica usually knows a request before its data arrives.
+        for name in reversed(self.order):
+            rep = plan[name]
+            routes = [
+                wire.Route(d, plan[d].replica, plan[d].data_addr, local=plan[d].replica == rep.replica)
+                for d in self.downstream[name]
+            ]
+            self.send(rep.identity, wire.Dispatch(
+                request_id=run.id, attempt=run.attempt, stage=name, info=run.info,
+                sampling_params=run.sampling.get(name, {}), inputs=list(self.spec.stage(name).inputs),
+                routes=routes, final=name in self.final,
+            ))
+
+    async def _redispatch(self, run: Run) -> None:
+        deadline = time.monotonic() + self.replica_wait_s
+        while not run.closed:
+            plan = self._plan()
+            if plan is not None:
+                self._dispatch(run, plan)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = ", ".join(self.membership.missing())
+                self._fail(run, f"no replica of stage(s) {missing} came back within {self.replica_wait_s:g}s",
+                           status=503, code="no_replica")
+                return
+            await self.membership.wait_change(left)
+
+    def _release(self, run: Run, abort: bool) -> None:
+        """Forget this attempt's unfinished stage tasks (telling their replicas to stop)."""
+        for name in run.pending:
+            rep = run.plan[name]
+            rep.outstanding -= 1
+            if abort:
+                self.send(rep.identity, wire.Abort(run.id, run.attempt))
+        run.pending = set()
+
+    def _close(self, run: Run, event: Event, outcome: str) -> None:
+        run.closed = True
+        self.runs.pop(run.id, None)
+        run.events.put_nowait(event)
+        self.metrics.requests.inc(api=run.info.kind, outcome=outcome)
+        self.metrics.request_latency.observe(time.monotonic() - run.started)
+
+    def _fail(self, run: Run, message: str, status: int = 500, code: str = "stage_failed") -> None:
+        if run.closed:
+            return
+        log.warning("request %s failed: %s", run.id, message)
+        self._release(run, abort=True)
+        self._close(run, Event("error", message=message, status=status, code=code), code)
+
+    def abort(self, run: Run) -> None:
+        """The client went away: stop the request in every stage."""
+        if not run.closed:
+            log.info("request %s: the client went away; aborting it in every stage", run.id)
+            self._release(run, abort=True)
+            self._close(run, Event("error", message="aborted by the client", status=499, code="aborted"),
+                        "aborted")
+
+    def _current(self, rep: Replica, request_id: str, attempt: int, stage: str) -> Run | None:
+        run = self.runs.get(request_id)
+        if run is None or run.attempt != attempt or run.plan.get(stage) is not rep or stage not in run.pending:
+            return None  # an old attempt, an aborted request, or a stray message
+        return run
+
+    def on_output(self, rep: Replica, msg: wire.Output) -> None:
+        run = self._current(rep, msg.request_id, msg.attempt, msg.stage)
+        if run is None or msg.stage not in self.final:
+            return
+        if not run.streamed:
+            run.streamed = True
+            self.metrics.first_output_latency.observe(time.monotonic() - run.started)
+        run.events.put_nowait(Event("output", stage=msg.stage, payload=msg.payload))
+
+    def on_done(self, rep: Replica, msg: wire.Done) -> None:
+        run = self._current(rep, msg.request_id, msg.attempt, msg.stage)
+        if run is None:
+            return
+        run.pending.discard(msg.stage)
+        rep.outstanding -= 1
+        self.metrics.hop_latency.observe(time.monotonic() - run.dispatched_at, stage=msg.stage)
+        if msg.error is not None:
+            self._fail(run, f"stage {msg.stage!r} (replica {rep.replica}) failed: {msg.error}")
+        elif not run.pending:
+            self._close(run, Event("end"), "ok")
+
+    def on_replica_lost(self, rep: Replica, why: str) -> None:
+        for run in list(self.runs.values()):
+            held = [s for s in run.pending if run.plan[s] is rep]
+            if not held:
+                continue
+            if run.streamed:
+                self._fail(run, f"replica {rep.replica} of stage {rep.stage!r} {why} after output was "
+                                f"streamed; the request cannot be retried", status=502, code="replica_lost")
+                continue
+            log.info("request %s: replica %s %s; dispatching again", run.id, rep, why)
+            self.metrics.redispatches.inc(stage=rep.stage)
+            self._release(run, abort=True)
+            run.attempt += 1
+            task = asyncio.get_running_loop().create_task(self._redispatch(run))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ control RPCs
+
+    async def control(self, stage: str, method: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Call method on every replica of stage; each replica's answer (or its timeout)."""
+        calls: dict[str, asyncio.Future] = {}
+        ids = []
+        for rep in self.membership.replicas(stage):
+            ids.append(uuid.uuid4().hex)
+            calls[rep.replica] = self._calls[ids[-1]] = asyncio.get_running_loop().create_future()
+            self.send(rep.identity, wire.Control(ids[-1], method, args))
+        try:
+            if calls:
+                await asyncio.wait(calls.values(), timeout=timeout_s)
+        finally:
+            for call_id in ids:
+                del self._calls[call_id]
+        answers = {}
+        for replica, fut in calls.items():
+            if not fut.done():
+                fut.cancel()
+                answers[replica] = {"ok": False, "error": f"no answer within {timeout_s:g}s"}
+            else:
+                reply: wire.ControlReply = fut.result()
+                answers[replica] = {"ok": True, "result": reply.result} if reply.ok else \
+                    {"ok": False, "error": reply.error}
+        return answers
+
+    def on_control_reply(self, msg: wire.ControlReply) -> None:
+        fut = self._calls.get(msg.call_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)

@@ -1,0 +1,348 @@
+"""Typed, versioned messages between master and stages, and their framing.
+
+One message is one ZMQ multipart message: frame 0 is the msgpack-encoded
+message (a member of the tagged union `Message`); frames 1.. are raw buffers
+that payload values refer to by index (bulk bytes and arrays), so senders pass
+them to ZMQ with copy=False and receivers get views of the received frames.
+
+Nothing is ever unpickled. A frame list that does not decode into a known
+message, or whose buffer references do not match its frames, raises
+WireError; callers log it and go on.
+
+Pure on purpose: msgspec and the standard library only, no sockets, no engines.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable, Union
+
+import msgspec
+
+from .constants import PROTOCOL_VERSION
+
+# Bytes-like payload values at least this long travel as their own frame;
+# shorter ones are cheaper inline.
+INLINE_MAX = 1024
+
+EXT_BLOB = 1  # header: [frame index]
+EXT_ARRAY = 2  # header: [frame index, dtype, shape]
+EXT_SHM = 3  # header: [name, size, dtype | None, shape | None]
+
+# Element sizes of the array dtypes the wire accepts (no numpy needed to check them).
+DTYPE_SIZES = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16,
+}
+
+
+class WireError(ValueError):
+    """A frame list that is not a valid message; the text says why."""
+
+
+# ---------------------------------------------------------------- payload values
+
+
+class Array(msgspec.Struct, frozen=True):
+    """A dense C-contiguous array as raw bytes: what a tensor becomes on the wire."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: Any  # a buffer: bytes, memoryview, a ZMQ frame
+
+
+class ShmRef(msgspec.Struct, frozen=True):
+    """Bytes a co-located sender left in shared memory; only the name travels.
+
+    With dtype and shape it stands for an Array, without for plain bytes.
+    """
+
+    name: str
+    size: int
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Rebuild dicts, lists and tuples (tuples become lists), mapping every other value through leaf."""
+    if isinstance(value, dict):
+        return {k: walk(v, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [walk(v, leaf) for v in value]
+    return leaf(value)
+
+
+def array_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"bad shape {shape!r}")
+    return DTYPE_SIZES[dtype] * math.prod(shape)
+
+
+def as_bytes_view(buf: Any) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+# ---------------------------------------------------------------- messages
+
+
+class Msg(msgspec.Struct, tag_field="t", tag=True):
+    """Base of every message; the tag is the class name."""
+
+
+class RequestInfo(msgspec.Struct):
+    """What every stage (and its input processor) may know of the client request."""
+
+    request_id: str
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt: Any = None
+    messages: list[Any] | None = None
+    extra: dict[str, Any] = {}
+
+
+class Route(msgspec.Struct):
+    """Where a stage sends its output for one request: a downstream replica's data port."""
+
+    stage: str
+    replica: str
+    addr: str
+    local: bool = False  # same pod: bulk data goes through shared memory
+
+
+# stage -> master (control socket)
+
+
+class Register(Msg):
+    stage: str
+    replica: str
+    protocol_version: int
+    config_hash: str
+    data_addr: str
+    pid: int = 0
+    engine: str = ""
+
+
+class StageHeartbeat(Msg):
+    inflight: int = 0
+    queue_depth: int = 0
+    draining: bool = False
+    bytes_tcp: int = 0  # payload bytes sent to downstream stages over the network
+    bytes_shm: int = 0  # payload bytes handed to co-located stages through shared memory
+    bytes_master: int = 0  # final-output bytes sent to the master
+
+
+class Output(Msg):
+    """A chunk of a final output, on its way to the client."""
+
+    request_id: str
+    attempt: int
+    stage: str
+    seq: int
+    payload: Any = None
+
+
+class Done(Msg):
+    """A stage finished its part of a request (error set when it failed)."""
+
+    request_id: str
+    attempt: int
+    stage: str
+    chunks: int = 0
+    error: str | None = None
+
+
+class ControlReply(Msg):
+    call_id: str
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+class Deregister(Msg):
+    reason: str = ""
+
+
+# master -> stage (control socket)
+
+
+class RegisterReply(Msg):
+    ok: bool
+    master_id: str
+    protocol_version: int
+    reason: str = ""
+
+
+class MasterHeartbeat(Msg):
+    master_id: str
+
+
+class Reset(Msg):
+    """The master does not know this connection (e.g. it restarted): register again."""
+
+    reason: str = ""
+
+
+class Dispatch(Msg):
+    request_id: str
+    attempt: int
+    stage: str
+    info: RequestInfo
+    sampling_params: dict[str, Any]
+    inputs: list[str]  # upstream stages whose Data this stage waits for
+    routes: list[Route]
+    final: bool  # also send Output chunks to the master
+
+
+class Abort(Msg):
+    request_id: str
+    attempt: int
+
+
+class Control(Msg):
+    call_id: str
+    method: str
+    args: dict[str, Any] = {}
+
+
+# stage -> stage (data port)
+
+
+class Data(Msg):
+    """A chunk of an upstream stage's output (eof: that stage is done for this request)."""
+
+    request_id: str
+    attempt: int
+    src: str
+    seq: int
+    payload: Any = None
+    eof: bool = False
+
+
+Message = Union[
+    Register, StageHeartbeat, Output, Done, ControlReply, Deregister,
+    RegisterReply, MasterHeartbeat, Reset, Dispatch, Abort, Control, Data,
+]
+
+_PAYLOAD_FIELDS = ("payload", "result")
+
+# ---------------------------------------------------------------- encode
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Msg) -> list[Any]:
+    """Frames for one message: the encoded message, then its raw buffers (not copied)."""
+    frames: list[Any] = [b""]
+
+    def out_of_band(v: Any) -> Any:
+        if isinstance(v, Array):
+            view = as_bytes_view(v.data)
+            if view.nbytes != array_nbytes(v.dtype, tuple(v.shape)):
+                raise ValueError(f"array of {v.dtype}{list(v.shape)} has {view.nbytes} bytes")
+            frames.append(view)
+            return msgspec.msgpack.Ext(EXT_ARRAY, _header_encoder.encode([len(frames) - 1, v.dtype, list(v.shape)]))
+        if isinstance(v, ShmRef):
+            shape = None if v.shape is None else list(v.shape)
+            return msgspec.msgpack.Ext(EXT_SHM, _header_encoder.encode([v.name, v.size, v.dtype, shape]))
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            view = as_bytes_view(v)
+            if view.nbytes < INLINE_MAX:
+                return v
+            frames.append(view)
+            return msgspec.msgpack.Ext(EXT_BLOB, _header_encoder.encode([len(frames) - 1]))
+        return v
+
+    for field in _PAYLOAD_FIELDS:
+        if hasattr(msg, field):
+            msg = msgspec.structs.replace(msg, **{field: walk(getattr(msg, field), out_of_band)})
+    frames[0] = _encoder.encode(msg)
+    return frames
+
+
+# ---------------------------------------------------------------- decode
+
+
+_local = threading.local()
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    frames, used = _local.frames, _local.used
+    header = msgspec.msgpack.decode(data)
+    if not isinstance(header, list):
+        raise ValueError(f"ext {code}: header is not a list")
+    if code == EXT_SHM:
+        name, size, dtype, shape = header
+        if not isinstance(name, str) or not isinstance(size, int) or size < 0:
+            raise ValueError("shm reference: bad name or size")
+        if dtype is not None:
+            shape = tuple(shape)
+            if array_nbytes(dtype, shape) != size:
+                raise ValueError(f"shm array of {dtype}{list(shape)} does not have {size} bytes")
+        return ShmRef(name, size, dtype, shape)
+    if code not in (EXT_BLOB, EXT_ARRAY):
+        raise ValueError(f"unknown ext code {code}")
+    index = header[0]
+    if not isinstance(index, int) or not 1 <= index < len(frames) or index in used:
+        raise ValueError(f"ext {code}: bad frame index {index!r} ({len(frames) - 1} buffer frames)")
+    used.add(index)
+    view = as_bytes_view(frames[index])
+    if code == EXT_BLOB:
+        return view
+    _, dtype, shape = header
+    shape = tuple(shape)
+    if array_nbytes(dtype, shape) != view.nbytes:
+        raise ValueError(f"array of {dtype}{list(shape)} does not match its {view.nbytes}-byte frame")
+    return Array(dtype, shape, view)
+
+
+_decoder = msgspec.msgpack.Decoder(Message, ext_hook=_ext_hook)
+
+
+def decode(frames: list[Any]) -> Message:
+    """The message in frames (bytes, memoryviews or ZMQ frames), or WireError saying why not."""
+    if not frames:
+        raise WireError("empty message")
+    _local.frames, _local.used = frames, set()
+    try:
+        msg = _decoder.decode(memoryview(frames[0]))
+    except Exception as e:  # anything a hostile frame can provoke becomes a rejection
+        raise WireError(f"{type(e).__name__}: {e}") from None
+    finally:
+        used, _local.frames, _local.used = _local.used, None, None
+    if len(used) != len(frames) - 1:
+        raise WireError(f"{len(frames) - 1 - len(used)} buffer frame(s) not referenced by the message")
+    return msg
+
+
+class _VersionProbe(msgspec.Struct):
+    t: str
+    protocol_version: int
+
+
+def peek_register_version(frame: Any) -> int | None:
+    """The protocol version of a Register that does not decode as ours (another version's layout)."""
+    try:
+        probe = msgspec.msgpack.decode(memoryview(frame), type=_VersionProbe)
+    except Exception:
+        return None
+    return probe.protocol_version if probe.t == "Register" else None
+
+
+def frames_nbytes(frames: list[Any]) -> int:
+    """Bytes a message occupies on the wire."""
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+__all__ = [
+    "PROTOCOL_VERSION", "WireError", "Array", "ShmRef", "RequestInfo", "Route", "Message",
+    "Register", "StageHeartbeat", "Output", "Done", "ControlReply", "Deregister",
+    "RegisterReply", "MasterHeartbeat", "Reset", "Dispatch", "Abort", "Control", "Data",
+    "encode", "decode", "walk", "peek_register_version",
+]

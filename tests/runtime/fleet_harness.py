@@ -1,0 +1,194 @@
+"""A fleet of real runtime processes on loopback: a master and stage pods from a pipeline dict.
+
+Every process is started with `python -m omnifleet_runtime ...` in its own
+session (so killing a "pod" kills its stage workers too), logs to a file
+that is printed when a test fails, and is killed at teardown. Every wait is
+a bounded loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+PYTHONPATH = os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "operator"), str(HERE)])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage(name: str, entrypoint: str, **fields: Any) -> dict[str, Any]:
+    return {"name": name, "type": "python", "entrypoint": f"stagefns:{entrypoint}", **fields}
+
+
+def pipeline(*stages: dict[str, Any], name: str = "test") -> dict[str, Any]:
+    return {
+        "apiVersion": "omnifleet.dev/v1alpha1", "kind": "OmniPipeline",
+        "metadata": {"name": name}, "spec": {"stages": list(stages)},
+    }
+
+
+def wait_until(pred: Callable[[], Any], what: str, timeout: float = 20.0, step: float = 0.02) -> Any:
+    for _ in range(int(timeout / step)):
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path):
+        self.name, self.args, self.log_path = name, args, log_path
+        self.killed = False
+        self.log = open(log_path, "ab")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "omnifleet_runtime", *args], env=env, cwd=ROOT,
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the process and its children, as a pod's containers all die together."""
+        if sig == signal.SIGKILL:
+            self.killed = True
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+class Fleet:
+    def __init__(self, tmp: Path, doc: dict[str, Any]):
+        self.dir = tmp
+        self.config = tmp / "pipeline.yaml"
+        self.config.write_text(yaml.safe_dump(doc))
+        self.api_port, self.control_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.api_port}"
+        self.procs: dict[str, Proc] = {}
+        self.health_ports: dict[str, int] = {}
+        self.pod_stages: dict[str, list[str]] = {}
+        self.env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMNIFLEET_TEST_DIR": str(tmp),
+                    "PYTHONUNBUFFERED": "1"}
+
+    # ---- processes
+
+    def start_master(self, *extra: str) -> Proc:
+        args = ["master", "--config", str(self.config), "--host", "127.0.0.1",
+                "--api-port", str(self.api_port), "--control-port", str(self.control_port), *extra]
+        return self._start("master", args, self.env)
+
+    def start_pod(self, pod: str, *stages: str, extra: tuple[str, ...] = ()) -> Proc:
+        self.pod_stages[pod] = list(stages)
+        self.health_ports[pod] = port = free_port()
+        args = ["stage", "--config", str(self.config), "--master", f"127.0.0.1:{self.control_port}",
+                "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--data-port", "0",
+                "--health-port", str(port), *extra]
+        for s in stages:
+            args += ["--stage", s]
+        return self._start(pod, args, {**self.env, "OMNIFLEET_POD_NAME": pod})
+
+    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Proc:
+        proc = Proc(name, args, env, self.dir / f"{name}.log")
+        self.procs[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.signal_group(signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.popen.wait(timeout=10)
+            proc.log.close()
+        for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+            if any(name.startswith(f"omnifleet-{pod}-") for pod in self.procs):
+                os.unlink(os.path.join("/dev/shm", name))
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {n} =====\n{p.output()}" for n, p in self.procs.items())
+
+    # ---- HTTP
+
+    def http(self, method: str, path: str, body: Any = None, port: int | None = None) -> tuple[int, Any]:
+        url = f"http://127.0.0.1:{port or self.api_port}{path}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                raw, status, ctype = resp.read(), resp.status, resp.headers.get("Content-Type", "")
+        except urllib.error.HTTPError as e:
+            raw, status, ctype = e.read(), e.code, e.headers.get("Content-Type", "")
+        return status, json.loads(raw) if "json" in ctype else raw.decode()
+
+    def get(self, path: str, port: int | None = None) -> tuple[int, Any]:
+        return self.http("GET", path, port=port)
+
+    def try_get(self, path: str, port: int | None = None) -> tuple[int, Any] | None:
+        try:
+            return self.get(path, port)
+        except OSError:
+            return None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        def ready():
+            for name, proc in self.procs.items():
+                assert proc.alive() or proc.killed, f"{name} exited with {proc.popen.returncode}:\n{proc.output()}"
+            r = self.try_get("/ready")
+            if r is None or r[0] != 200:
+                return False
+            registered = {(s, r["replica"]) for s, reps in self.stages().items() for r in reps}
+            return all((s, pod) in registered for pod, stages in self.pod_stages.items()
+                       if not self.procs[pod].killed for s in stages)
+        wait_until(ready, "the pipeline to become ready with every started replica", timeout)
+
+    def stages(self) -> dict[str, list[dict[str, Any]]]:
+        return self.get("/v1/stages")[1]["stages"]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of a metric whose labels include the given ones."""
+        total = 0.0
+        for line in self.get("/metrics")[1].splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            head, _, value = line.rpartition(" ")
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30, **kw)
+
+    def async_openai(self, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30, **kw)
+
+

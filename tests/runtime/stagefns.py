@@ -1,0 +1,161 @@
+"""Stage callables and input processors the runtime tests run inside real stage processes.
+
+Gates and markers are files in $OMNIFLEET_TEST_DIR, so a test can order
+events across processes without timing anything. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+TEST_DIR = Path(os.environ.get("OMNIFLEET_TEST_DIR", "."))
+GATE_WAIT_S = 30.0
+
+# Importing this module is the python engine's "load": count loads per stage process.
+if "OMNIFLEET_TEST_DIR" in os.environ:
+    with open(TEST_DIR / "loads.log", "a") as _f:
+        _f.write(f"{os.environ.get('OMNIFLEET_POD_NAME', '?')} {os.getpid()}\n")
+
+
+def mark(name: str) -> None:
+    (TEST_DIR / name).touch()
+
+
+async def wait_for(name: str) -> bool:
+    path = TEST_DIR / name
+    for _ in range(int(GATE_WAIT_S / 0.01)):
+        if path.exists():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def prompt_text(inputs) -> str:
+    if isinstance(inputs, list):  # chat messages
+        return inputs[-1]["content"]
+    return inputs
+
+
+# ---- three-stage chain: upper -> exclaim -> halves (streams two chunks)
+
+def upper(inputs, sampling_params, context):
+    return prompt_text(inputs).upper()
+
+
+async def exclaim(inputs, sampling_params, context):
+    return inputs + sampling_params.get("suffix", "!")
+
+
+def halves(inputs, sampling_params, context):
+    n = len(inputs) // 2
+    yield inputs[:n]
+    yield inputs[n:]
+
+
+# ---- fan-out / fan-in: source -> (left, right) -> join
+
+def source(inputs, sampling_params, context):
+    return prompt_text(inputs)
+
+
+def describe(inputs, sampling_params, context):
+    return {"stage": context.stage, "text": inputs, "params": sampling_params}
+
+
+def join_inputs(upstream, request):
+    """Input processor of the join stage (whole mode: each value is the list of chunks)."""
+    return {name: chunks[0] for name, chunks in sorted(upstream.items())}
+
+
+def render(inputs, sampling_params, context):
+    return json.dumps(inputs, sort_keys=True)
+
+
+# ---- streaming between stages: a slow source, a per-chunk consumer
+
+async def slow_source(inputs, sampling_params, context):
+    yield "first"
+    await wait_for("go")
+    yield "second"
+    mark("upstream-done")
+
+
+async def bracket(inputs, sampling_params, context):
+    yield f"<{inputs}>"
+
+
+# ---- co-location: a large payload to the stage in the same pod
+
+PAYLOAD_SIZE = 1 << 20
+
+
+def blob(inputs, sampling_params, context):
+    return {"pod": context.replica, "blob": bytes(range(256)) * (PAYLOAD_SIZE // 256)}
+
+
+def blob_info(inputs, sampling_params, context):
+    data = inputs["blob"]
+    intact = bytes(data) == bytes(range(256)) * (PAYLOAD_SIZE // 256)
+    return f"{inputs['pod']}->{context.replica}:{len(data)}:{type(data).__name__}:{intact}"
+
+
+# ---- failures: gated stages
+
+async def first_then_gate(inputs, sampling_params, context):
+    """Stream a first chunk naming the replica, then wait for the gate before the rest."""
+    yield f"[{context.replica}]"
+    await wait_for("gate")
+    yield "done"
+
+
+async def gated_entry(inputs, sampling_params, context):
+    mark(f"started-{context.request_id}-{context.replica}")
+    await wait_for("gate")
+    return f"{prompt_text(inputs)}@{context.replica}"
+
+
+async def abortable(inputs, sampling_params, context):
+    try:
+        yield "tick"
+        await wait_for("gate")
+        yield "tock"
+    except (asyncio.CancelledError, GeneratorExit):
+        mark(f"aborted-{context.stage}")
+        raise
+
+
+def echo(inputs, sampling_params, context):
+    return inputs
+
+
+def omnifleet_control(method, args):
+    """Control hook of this module's stages."""
+    if method == "whoami":
+        return {"pod": os.environ.get("OMNIFLEET_POD_NAME"), "pid": os.getpid(), "args": args}
+    raise ValueError(f"unsupported control method {method!r}")
+
+
+# ---- engine kinds (run in-process by test_engines.py)
+
+def kind_plain(inputs, sampling_params, context):
+    return None if inputs == "skip" else f"plain:{inputs}:{context.chunk_index}"
+
+
+def kind_gen(inputs, sampling_params, context):
+    context.state["n"] = context.state.get("n", 0) + 1
+    yield f"gen:{inputs}"
+    yield None  # emits nothing
+    yield f"seen:{context.state['n']}"
+
+
+async def kind_async(inputs, sampling_params, context):
+    await asyncio.sleep(0)
+    return {"async": inputs, "params": sampling_params}
+
+
+async def kind_agen(inputs, sampling_params, context):
+    for ch in inputs:
+        yield ch

@@ -1,0 +1,68 @@
+"""Engines run in-process: every callable kind of the python engine, and the torch engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+
+import pytest
+
+from omnifleet_runtime.engines import EngineRequest, make_engine
+from omnifleet_runtime.schema import Stage
+from omnifleet_runtime.wire import Array, RequestInfo
+
+
+async def run(stage: Stage, items: list, params: dict | None = None) -> list:
+    engine = make_engine(stage, "pod-x")
+    await engine.start()
+
+    async def inputs():
+        for item in items:
+            yield item
+
+    req = EngineRequest("r1", inputs(), params or {}, RequestInfo("r1", "completion", "m", prompt="p"))
+    out = [chunk async for chunk in engine.generate(req)]
+    await engine.shutdown()
+    return out
+
+
+def py_stage(fn: str, **kw) -> Stage:
+    return Stage(name="s", type="python", entrypoint=f"stagefns:{fn}", **kw)
+
+
+@pytest.mark.parametrize(
+    ("fn", "items", "expected"),
+    [
+        ("kind_plain", ["a", "skip", "b"], ["plain:a:0", "plain:b:2"]),
+        ("kind_gen", ["a", "b"], ["gen:a", "seen:1", "gen:b", "seen:2"]),  # state lives across chunks
+        ("kind_async", ["a"], [{"async": "a", "params": {"k": 1}}]),
+        ("kind_agen", ["ab", "c"], ["a", "b", "c"]),
+    ],
+)
+async def test_python_engine_callable_kinds(fn, items, expected):
+    assert await run(py_stage(fn), items, {"k": 1}) == expected
+
+
+async def test_python_engine_control():
+    engine = make_engine(py_stage("kind_plain"), "pod-x")
+    await engine.start()
+    assert (await engine.control("ping", {}))["pong"] is True
+    assert (await engine.control("whoami", {"a": 1}))["args"] == {"a": 1}
+    with pytest.raises(ValueError, match="unsupported control method 'nosuch'"):
+        await engine.control("nosuch", {})
+
+
+def test_llm_engine_is_not_in_this_build():
+    with pytest.raises(NotImplementedError, match="llm engine"):
+        make_engine(Stage(name="s", type="llm"), "pod-x")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed in this environment")
+async def test_torch_engine_runs_a_module_on_wire_arrays():
+    stage = Stage(name="s", type="torch", entrypoint="torchfns:make_scale",
+                  engine_args={"device": "cpu", "factory_kwargs": {"factor": 3.0}})
+    x = Array("float32", (2,), struct.pack("<2f", 1.0, 2.0))
+    (out,) = await run(stage, [{"x": x, "offset": 1.0}])
+    assert out["y"].dtype == "float32" and out["y"].shape == (2,)
+    assert struct.unpack("<2f", bytes(out["y"].data)) == (4.0, 7.0)
+    assert struct.unpack("<f", bytes(out["sum"].data)) == (9.0,)

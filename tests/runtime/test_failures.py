@@ -1,0 +1,157 @@
+"""Replicas and the master die, restart and drain; no request is lost or hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+
+import openai
+import pytest
+
+from fleet_harness import pipeline, stage, wait_until
+
+LOST_AFTER_STREAMING = "was lost after output was streamed"
+
+
+async def test_kill_one_of_two_replicas_under_load(make_fleet):
+    """200 requests, 20 at a time; one of two replicas of the streaming final stage is killed.
+
+    The first 20 requests each stream a first chunk naming their replica and
+    then stall on a gate, so at the kill the test knows exactly which
+    requests the victim holds after streaming: those, and only those, fail
+    with the error event; every other request completes.
+    """
+    fleet = make_fleet(pipeline(
+        stage("a", "upper"),
+        stage("b", "first_then_gate", inputs=["a"], replicas=2, finalOutput="text"),
+    ))
+    fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    fleet.start_pod("pod-b1", "b")
+    fleet.start_pod("pod-b2", "b")
+    fleet.wait_ready()
+
+    client = fleet.async_openai()
+    first_chunks: dict[int, str] = {}
+    outcomes: dict[int, str] = {}
+    todo = iter(range(200))
+
+    async def one(i: int) -> None:
+        text = ""
+        try:
+            stream = await client.completions.create(model="test", prompt=f"r{i}", stream=True)
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                first_chunks.setdefault(i, chunk.choices[0].text)
+            assert text in ("[pod-b1]done", "[pod-b2]done"), text
+            outcomes[i] = "ok"
+        except openai.APIError as e:
+            assert LOST_AFTER_STREAMING in e.message, e.message
+            outcomes[i] = "lost"
+
+    async def worker() -> None:
+        for i in todo:
+            await one(i)
+
+    workers = [asyncio.create_task(worker()) for _ in range(20)]
+    for _ in range(1500):  # bounded: until all 20 first requests have streamed their first chunk
+        if len(first_chunks) == 20:
+            break
+        await asyncio.sleep(0.02)
+    assert len(first_chunks) == 20
+    held_by_victim = {i for i, c in first_chunks.items() if c == "[pod-b1]"}
+    assert held_by_victim  # the two replicas shared the load
+    fleet.procs["pod-b1"].signal_group(signal.SIGKILL)
+    (fleet.dir / "gate").touch()
+    await asyncio.wait_for(asyncio.gather(*workers), 60)
+
+    assert len(outcomes) == 200
+    assert {i for i, o in outcomes.items() if o == "lost"} == held_by_victim
+    assert sum(o == "ok" for o in outcomes.values()) == 200 - len(held_by_victim)
+    assert fleet.metric("omnifleet_requests_total", outcome="replica_lost") == len(held_by_victim)
+    assert fleet.metric("omnifleet_stage_replicas", stage="b") == 1
+
+
+def test_lost_replica_before_streaming_is_redispatched(make_fleet):
+    fleet = make_fleet(pipeline(
+        stage("a", "gated_entry", replicas=2),
+        stage("b", "echo", inputs=["a"], finalOutput="text"),
+    ))
+    fleet.start_master()
+    fleet.start_pod("pod-a1", "a")
+    fleet.start_pod("pod-a2", "a")
+    fleet.start_pod("pod-b", "b")
+    fleet.wait_ready()
+
+    results: dict[int, str] = {}
+
+    def call(i: int) -> None:
+        out = fleet.openai().completions.create(model="test", prompt=f"p{i}")
+        results[i] = out.choices[0].text
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(list(fleet.dir.glob("started-*"))) == 6, "6 requests to start in stage a")
+    on_victim = len(list(fleet.dir.glob("started-*-pod-a1")))
+    assert on_victim > 0
+    fleet.procs["pod-a1"].signal_group(signal.SIGKILL)
+    (fleet.dir / "gate").touch()
+    for t in threads:
+        t.join(timeout=30)
+
+    assert results == {i: f"p{i}@pod-a2" for i in range(6)}  # all done, the victim's ones elsewhere
+    assert fleet.metric("omnifleet_redispatches_total", stage="a") == on_victim
+
+
+def test_master_restart_stages_reregister_without_reloading(make_fleet):
+    fleet = make_fleet(pipeline(stage("a", "upper"), stage("b", "exclaim", inputs=["a"], finalOutput="text")))
+    fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    fleet.start_pod("pod-b", "b")
+    fleet.wait_ready()
+    client = fleet.openai()
+    assert client.completions.create(model="test", prompt="one").choices[0].text == "ONE!"
+    loads = (fleet.dir / "loads.log").read_text()
+    assert len(loads.splitlines()) == 2  # one engine load per stage process
+
+    fleet.procs["master"].signal_group(signal.SIGKILL)
+    fleet.procs["master"].popen.wait(timeout=10)
+    assert fleet.try_get("/health") is None
+    fleet.start_master()  # same ports, new process, no memory of the stages
+    fleet.wait_ready()
+    assert client.completions.create(model="test", prompt="two").choices[0].text == "TWO!"
+    assert (fleet.dir / "loads.log").read_text() == loads  # engines were not rebuilt
+    assert fleet.procs["pod-a"].alive() and fleet.procs["pod-b"].alive()
+    for pod in ("pod-a", "pod-b"):
+        assert "registering again" in fleet.procs[pod].output()
+
+
+def test_sigterm_drains_in_flight_work_and_exits_zero(make_fleet):
+    fleet = make_fleet(pipeline(stage("a", "gated_entry", finalOutput="text")))
+    fleet.start_master()
+    pod = fleet.start_pod("pod-a", "a")
+    fleet.wait_ready()
+    health = fleet.health_ports["pod-a"]
+    assert fleet.get("/readyz", port=health) == (200, {"ready": True})
+    assert fleet.get("/livez", port=health) == (200, {"live": True})
+
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "out", fleet.openai().completions.create(model="test", prompt="inflight")))
+    t.start()
+    wait_until(lambda: list(fleet.dir.glob("started-*")), "the request to start")
+    pod.popen.send_signal(signal.SIGTERM)  # what the kubelet sends to the container's first process
+
+    wait_until(lambda: fleet.get("/ready")[0] == 503, "the master to stop routing to the draining replica")
+    assert fleet.get("/readyz", port=health)[0] == 503
+    with pytest.raises(openai.InternalServerError, match="stage.s. a"):
+        fleet.openai().completions.create(model="test", prompt="new")
+    assert pod.alive()  # still finishing the request it holds
+
+    (fleet.dir / "gate").touch()
+    t.join(timeout=30)
+    assert result["out"].choices[0].text == "inflight@pod-a"
+    assert pod.popen.wait(timeout=30) == 0
+    assert "deregistered" in fleet.procs["master"].output()
