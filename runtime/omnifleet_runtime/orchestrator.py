@@ -8,6 +8,9 @@ master for final outputs. So stage-to-stage payloads never pass through the
 master; it sees small control messages and the final outputs it streams to
 the client.
 
+A request may ask for only some of the final outputs (chat without audio,
+images only): then only those final stages and the stages they depend on run.
+
 When a replica is lost, a request that has not streamed anything to its
 client is dispatched again as a new attempt (its other stage tasks are
 aborted; messages of an old attempt are ignored); one that has streamed ends
@@ -62,6 +65,8 @@ class Run:
     dispatched_at: float = 0.0
     streamed: bool = False
     closed: bool = False
+    stages: list[str] = field(default_factory=list)  # the stages this request runs, in order
+    final: frozenset[str] = frozenset()  # the final stages whose outputs the client gets
 
     @property
     def id(self) -> str:
@@ -91,19 +96,35 @@ class Orchestrator:
 
     # ------------------------------------------------------------ requests
 
-    def start(self, info: wire.RequestInfo, sampling: dict[str, dict[str, Any]]) -> Run:
-        """Admit and dispatch a request, or raise NoReplica naming the stages without one."""
-        missing = self.membership.missing()
+    def needed(self, final: set[str] | frozenset[str]) -> list[str]:
+        """The stages that produce these final outputs: them and everything upstream, in order."""
+        need, todo = set(), list(final)
+        while todo:
+            name = todo.pop()
+            if name not in need:
+                need.add(name)
+                todo += self.spec.stage(name).inputs
+        return [s for s in self.order if s in need]
+
+    def start(self, info: wire.RequestInfo, sampling: dict[str, dict[str, Any]],
+              final: set[str] | None = None) -> Run:
+        """Admit and dispatch a request, or raise NoReplica naming the stages without one.
+
+        final: the final stages the client wants (default: all of them).
+        """
+        final = frozenset(self.final if final is None else final)
+        stages = self.needed(final)
+        missing = [s for s in self.membership.missing() if s in stages]
         if missing:
             raise NoReplica(missing)
-        run = Run(info, sampling)
+        run = Run(info, sampling, stages=stages, final=final)
         self.runs[run.id] = run
-        self._dispatch(run, self._plan())
+        self._dispatch(run, self._plan(run))
         return run
 
-    def _plan(self) -> dict[str, Replica] | None:
+    def _plan(self, run: Run) -> dict[str, Replica] | None:
         plan: dict[str, Replica] = {}
-        for name in self.order:
+        for name in run.stages:
             candidates = self.membership.routable(name)
             if not candidates:
                 return None
@@ -118,28 +139,28 @@ class Orchestrator:
             rep.outstanding += 1
             rep.assigned += 1
         # Downstream first, so a replica usually knows a request before its data arrives.
-        for name in reversed(self.order):
+        for name in reversed(run.stages):
             rep = plan[name]
             routes = [
                 wire.Route(d, plan[d].replica, plan[d].data_addr, local=plan[d].replica == rep.replica)
-                for d in self.downstream[name]
+                for d in self.downstream[name] if d in plan
             ]
             self.send(rep.identity, wire.Dispatch(
                 request_id=run.id, attempt=run.attempt, stage=name, info=run.info,
                 sampling_params=run.sampling.get(name, {}), inputs=list(self.spec.stage(name).inputs),
-                routes=routes, final=name in self.final,
+                routes=routes, final=name in run.final,
             ))
 
     async def _redispatch(self, run: Run) -> None:
         deadline = time.monotonic() + self.replica_wait_s
         while not run.closed:
-            plan = self._plan()
+            plan = self._plan(run)
             if plan is not None:
                 self._dispatch(run, plan)
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = ", ".join(self.membership.missing())
+                missing = ", ".join(s for s in self.membership.missing() if s in run.stages)
                 self._fail(run, f"no replica of stage(s) {missing} came back within {self.replica_wait_s:g}s",
                            status=503, code="no_replica")
                 return
@@ -184,7 +205,7 @@ class Orchestrator:
 
     def on_output(self, rep: Replica, msg: wire.Output) -> None:
         run = self._current(rep, msg.request_id, msg.attempt, msg.stage)
-        if run is None or msg.stage not in self.final:
+        if run is None or msg.stage not in run.final:
             return
         if not run.streamed:
             run.streamed = True

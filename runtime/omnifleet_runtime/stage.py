@@ -35,7 +35,7 @@ import zmq.asyncio
 
 from . import constants as C
 from . import shm, wire
-from .engines import Engine, EngineRequest, load_callable, make_engine
+from .engines import Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .schema import OmniPipeline
 
 log = logging.getLogger("omnifleet.stage")
@@ -119,8 +119,12 @@ class StageWorker:
     async def main(self, on_ready=None) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
-        self.load()
-        await self.engine.start()
+        try:
+            self.load()
+            await self.engine.start()
+        except EngineStartError as e:  # a known reason (bad engine arg, missing model): one clear line
+            log.error("stage %s failed to start: %s", self.stage.name, e)
+            return 1
         if self.engine.max_concurrency:
             self.slots = asyncio.Semaphore(int(self.engine.max_concurrency))
         self.ctx = zmq.asyncio.Context()

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from omnifleet_runtime.engines import EngineRequest, make_engine
+from omnifleet_runtime.engines import EngineRequest, EngineStartError, make_engine
 from omnifleet_runtime.schema import Stage
 from omnifleet_runtime.wire import Array, RequestInfo
 
@@ -52,9 +52,11 @@ async def test_python_engine_control():
         await engine.control("nosuch", {})
 
 
-def test_llm_engine_is_not_in_this_build():
-    with pytest.raises(NotImplementedError, match="llm engine"):
-        make_engine(Stage(name="s", type="llm"), "pod-x")
+async def test_llm_engine_loads_lazily_and_names_a_missing_model():
+    # Making the engine imports no vLLM; start() checks the model path before it would.
+    engine = make_engine(Stage(name="s", type="llm", model="/no/such/model"), "pod-x")
+    with pytest.raises(EngineStartError, match="stage 's': model path /no/such/model does not exist"):
+        await engine.start()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed in this environment")

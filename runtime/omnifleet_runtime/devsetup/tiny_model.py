@@ -1,6 +1,13 @@
 """Deterministic tiny models for tests (no weights can be downloaded here).
 
-    python -m omnifleet_runtime.devsetup.tiny_model [--out DIR] [--name tiny-qwen2]
+    python -m omnifleet_runtime.devsetup.tiny_model [--out DIR] [--name tiny-qwen2|tiny-diffusion] [--print-path]
+
+tiny-qwen2: a 2-layer Qwen2 causal LM with a trained byte-level BPE tokenizer (vLLM runs it).
+tiny-diffusion (needs diffusers): a diffusers-layout directory the diffusion engine
+loads: unet/ (UNet2DConditionModel, cross-attention dim 32), scheduler/ (DDIM),
+vae/ (AutoencoderKL, 4 latent channels, 2x), text_encoder/ (CLIPTextModel over
+tiny-qwen2's 512-token vocabulary, so an LLM stage's token ids condition it) and
+tokenizer/ (tiny-qwen2's).
 
 Default location: ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/models/<name>-<key>/, where
 <key> hashes the recipe below, so changing the recipe makes a new directory.
@@ -28,7 +35,7 @@ SEED = 20261130
 QWEN2 = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     num_attention_heads=2, num_key_value_heads=1,  # head_dim 64: CPU attention rejects 16
-    tie_word_embeddings=True, max_position_embeddings=1024,
+    tie_word_embeddings=True, max_position_embeddings=8192,  # long enough to abort mid-generation
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -55,8 +62,24 @@ CORPUS = [
 ] * 4
 # sha256 of the model content (tensors by name + vocabulary); a mismatch means the
 # recipe stopped being deterministic somewhere.
-CHECKSUMS = {"tiny-qwen2": "a2e190eb91745775105b23d870ca74132573f0292b508e2ffdb2ecec93fc27b2"}
-RECIPES = {"tiny-qwen2": (QWEN2, SPECIALS, CHAT_TEMPLATE, CORPUS, SEED, "v1")}
+CHECKSUMS = {"tiny-qwen2": "a2e190eb91745775105b23d870ca74132573f0292b508e2ffdb2ecec93fc27b2",
+             "tiny-diffusion": "2eb9d7674149b531f0f16f6d67b9d3bf7cc504ae905f41a692aa18f3ddb0d790"}
+DIFFUSION = {
+    "unet": dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=[32, 64],
+                 down_block_types=["CrossAttnDownBlock2D", "DownBlock2D"],
+                 up_block_types=["UpBlock2D", "CrossAttnUpBlock2D"], cross_attention_dim=32, attention_head_dim=8,
+                 norm_num_groups=8),
+    "vae": dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+                up_block_types=["UpDecoderBlock2D", "UpDecoderBlock2D"], block_out_channels=[8, 16],
+                latent_channels=4, norm_num_groups=8, layers_per_block=1, sample_size=32),
+    "scheduler": dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+                      set_alpha_to_one=True, num_train_timesteps=1000),
+    "text_encoder": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, max_position_embeddings=256, projection_dim=32,
+                         bos_token_id=0, eos_token_id=2, pad_token_id=0),
+}
+RECIPES = {"tiny-qwen2": (QWEN2, SPECIALS, CHAT_TEMPLATE, CORPUS, SEED, "v1"),
+           "tiny-diffusion": (DIFFUSION, SEED, "v1")}
 
 _t0 = time.monotonic()
 
@@ -79,7 +102,10 @@ def content_checksum(out: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(out.glob("*.safetensors")):
         h.update(_safetensors_raw(f))
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    for f in sorted(out.glob("*/*.safetensors")):  # diffusers layout: one folder per component
+        h.update(f.parent.name.encode() + _safetensors_raw(f))
+    tok = out / "tokenizer.json" if (out / "tokenizer.json").exists() else out / "tokenizer" / "tokenizer.json"
+    vocab = json.loads(tok.read_text())["model"]["vocab"]
     h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode())
     return h.hexdigest()
 
@@ -140,7 +166,48 @@ def build_tiny_qwen2(out: Path) -> None:
     model.to(torch.bfloat16).save_pretrained(out)
 
 
-BUILDERS = {"tiny-qwen2": build_tiny_qwen2}
+def _seeded(module, rng) -> None:
+    """Fill a module's parameters from numpy's frozen RandomState stream (same bytes everywhere):
+    norms 1, biases 0, embeddings N(0, 1), other weights N(0, 1/fan_in)."""
+    import numpy as np
+    import torch
+
+    state = {}
+    for name, p in sorted(module.state_dict().items()):
+        if not p.is_floating_point():  # buffers such as position ids stay as built
+            state[name] = p
+            continue
+        if "norm" in name and name.endswith(".weight"):
+            value = np.ones(p.shape)
+        elif name.endswith(".bias") or p.dim() == 0:
+            value = np.zeros(p.shape)
+        elif "embedding" in name or p.dim() == 1:
+            value = rng.standard_normal(p.shape)
+        else:
+            value = rng.standard_normal(p.shape) / np.sqrt(max(int(np.prod(p.shape[1:])), 1))
+        state[name] = torch.from_numpy(value.astype(np.float32)).to(p.dtype)
+    module.load_state_dict(state, strict=True)
+
+
+def build_tiny_diffusion(out: Path) -> None:
+    import numpy as np
+    from diffusers import AutoencoderKL, DDIMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    rng = np.random.RandomState(SEED)
+    log("building UNet2DConditionModel, AutoencoderKL and CLIPTextModel with seeded weights")
+    for sub, model in (("unet", UNet2DConditionModel(**DIFFUSION["unet"])),
+                       ("vae", AutoencoderKL(**DIFFUSION["vae"])),
+                       ("text_encoder", CLIPTextModel(CLIPTextConfig(**DIFFUSION["text_encoder"])))):
+        _seeded(model, rng)
+        model.save_pretrained(out / sub)
+    DDIMScheduler(**DIFFUSION["scheduler"]).save_pretrained(out / "scheduler")
+    shutil.copytree(ensure_tiny_model("tiny-qwen2"), out / "tokenizer",
+                    ignore=shutil.ignore_patterns("*.safetensors", "config.json", "generation_config.json", ".*",
+                                                  "checksum.sha256"))
+
+
+BUILDERS = {"tiny-qwen2": build_tiny_qwen2, "tiny-diffusion": build_tiny_diffusion}
 
 
 def ensure_tiny_model(name: str = "tiny-qwen2", out: Path | str | None = None) -> Path:
@@ -186,7 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--name", default="tiny-qwen2", choices=sorted(BUILDERS))
     ap.add_argument("--out", help="target directory (default: the cache)")
+    ap.add_argument("--print-path", action="store_true", help="print only the model's directory (build it first)")
     args = ap.parse_args(argv)
+    if args.print_path:
+        import contextlib
+
+        with contextlib.redirect_stdout(sys.stderr):
+            path = ensure_tiny_model(args.name, args.out)
+        print(path)
+        return 0
     path = ensure_tiny_model(args.name, args.out)
     log(f"{args.name}: {path}")
     return 0

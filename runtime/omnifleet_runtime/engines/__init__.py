@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..schema import Stage
-from .base import Engine, EngineRequest, load_callable
+from .base import Engine, EngineRequest, EngineStartError, load_callable
 
-__all__ = ["Engine", "EngineRequest", "load_callable", "make_engine"]
+__all__ = ["Engine", "EngineRequest", "EngineStartError", "load_callable", "make_engine"]
 
 
 def make_engine(stage: Stage, replica: str) -> Engine:
@@ -17,4 +17,12 @@ def make_engine(stage: Stage, replica: str) -> Engine:
         from .torch import TorchEngine
 
         return TorchEngine(stage, replica)
+    if stage.type == "llm":
+        from .vllm import VllmEngine
+
+        return VllmEngine(stage, replica)
+    if stage.type == "diffusion":
+        from .diffusion import DiffusionEngine
+
+        return DiffusionEngine(stage, replica)
     raise NotImplementedError(f"stage {stage.name!r}: the {stage.type} engine is not available in this build")

@@ -26,6 +26,11 @@ class EngineRequest:
     info: RequestInfo
 
 
+class EngineStartError(RuntimeError):
+    """The stage's engine cannot start (bad engine arg, missing model, ...); the message says why,
+    naming the stage. The stage logs it as one line and exits non-zero."""
+
+
 class Engine(abc.ABC):
     # Requests the stage lets into generate() at once; None means no limit
     # (engines that batch, like vLLM, queue internally).

@@ -1,0 +1,153 @@
+"""Images and audio for the client, made in the master: PNG and WAV encoders, standard library only.
+
+Final image stages send uint8 pixels as `wire.Array`s ([n, h, w, c], [h, w, c]
+or [h, w]; c is 1, 2, 3 or 4), bare or as `{"images": ...}` / `{"image": ...}`.
+Final audio stages send samples as `wire.Array`s (float32/float64 in [-1, 1],
+or int16; [samples] or [samples, channels]), bare or as `{"audio": ...,
+"sample_rate": hz}` (`sr` is accepted too; a bare array is 24 kHz). The master
+never imports numpy, torch or Pillow for this: PNG is zlib + struct, WAV is
+the `wave` module.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import sys
+import wave
+import zlib
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+from .wire import Array
+
+DEFAULT_SAMPLE_RATE = 24000
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_COLOR_TYPES = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> PNG colour type (grey, grey+alpha, RGB, RGBA)
+
+
+class MediaError(ValueError):
+    """A final output that is not an image or audio the master can encode; the text says why."""
+
+
+# ---------------------------------------------------------------- images
+
+
+def png(pixels: Any, width: int, height: int, channels: int) -> bytes:
+    """A PNG (8 bits per channel, no interlace) of row-major pixels."""
+    if channels not in _COLOR_TYPES:
+        raise MediaError(f"an image must have 1, 2, 3 or 4 channels, not {channels}")
+    data = memoryview(pixels).cast("B")
+    stride = width * channels
+    if data.nbytes != stride * height:
+        raise MediaError(f"{data.nbytes} bytes are not a {width}x{height}x{channels} image")
+    raw = bytearray((stride + 1) * height)  # each row: filter type 0, then the row
+    for y in range(height):
+        raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)] = data[y * stride:(y + 1) * stride]
+
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, _COLOR_TYPES[channels], 0, 0, 0)
+    return PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(raw), 6)) + chunk(b"IEND", b"")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR."""
+    if data[:8] != PNG_SIGNATURE or data[12:16] != b"IHDR":
+        raise MediaError("not a PNG")
+    return struct.unpack(">II", data[16:24])
+
+
+def images_of(payload: Any) -> list[bytes]:
+    """PNGs of the images in one final-output chunk."""
+    if isinstance(payload, dict):
+        payload = payload.get("images", payload.get("image"))
+    items = payload if isinstance(payload, list) else [payload]
+    out = []
+    for a in items:
+        if not isinstance(a, Array):
+            raise MediaError(f"an image chunk must hold uint8 arrays, got {type(a).__name__}")
+        if a.dtype != "uint8":
+            raise MediaError(f"image pixels must be uint8, got {a.dtype}")
+        shape = tuple(a.shape)
+        if len(shape) == 2:
+            shape = (1, *shape, 1)
+        elif len(shape) == 3:
+            shape = (1, *shape)
+        if len(shape) != 4:
+            raise MediaError(f"an image array must be [h, w], [h, w, c] or [n, h, w, c], got {list(a.shape)}")
+        n, h, w, c = shape
+        view = memoryview(a.data).cast("B")
+        size = h * w * c
+        out += [png(view[i * size:(i + 1) * size], w, h, c) for i in range(n)]
+    return out
+
+
+# ---------------------------------------------------------------- audio
+
+
+@dataclass
+class Audio:
+    pcm: bytes  # 16-bit signed little-endian, interleaved
+    sample_rate: int
+    channels: int
+
+
+def audio_of(payload: Any) -> Audio:
+    """16-bit PCM of one final-output chunk."""
+    rate = DEFAULT_SAMPLE_RATE
+    if isinstance(payload, dict):
+        rate = payload.get("sample_rate", payload.get("sr", rate))
+        payload = payload.get("audio")
+    if not isinstance(payload, Array):
+        raise MediaError(f"an audio chunk must hold an array of samples, got {type(payload).__name__}")
+    if not isinstance(rate, int) or isinstance(rate, bool) or not 1 <= rate <= 768_000:
+        raise MediaError(f"bad sample rate {rate!r}")
+    shape = tuple(payload.shape)
+    if len(shape) not in (1, 2):
+        raise MediaError(f"audio must be [samples] or [samples, channels], got {list(shape)}")
+    channels = shape[1] if len(shape) == 2 else 1
+    raw = memoryview(payload.data).cast("B")
+    if payload.dtype == "int16":
+        samples = array("h")
+        samples.frombytes(raw)  # array(code, memoryview) would iterate the bytes
+    elif payload.dtype in ("float32", "float64"):
+        floats = array("f" if payload.dtype == "float32" else "d")
+        floats.frombytes(raw)
+        if sys.byteorder == "big":
+            floats.byteswap()
+        samples = array("h", (int(max(-1.0, min(1.0, x)) * 32767.0) for x in floats))
+        return Audio(_le(samples), rate, channels)
+    else:
+        raise MediaError(f"audio samples must be float32, float64 or int16, got {payload.dtype}")
+    return Audio(_le(samples, native=False), rate, channels)
+
+
+def _le(samples: array, native: bool = True) -> bytes:
+    """Little-endian bytes of int16 samples (native ones are swapped on a big-endian host)."""
+    if native and sys.byteorder == "big":
+        samples.byteswap()
+    return samples.tobytes()
+
+
+def join_audio(chunks: list[Audio]) -> Audio:
+    if not chunks:
+        return Audio(b"", DEFAULT_SAMPLE_RATE, 1)
+    first = chunks[0]
+    for c in chunks[1:]:
+        if (c.sample_rate, c.channels) != (first.sample_rate, first.channels):
+            raise MediaError(f"audio chunks disagree: {first.sample_rate} Hz x {first.channels} then "
+                             f"{c.sample_rate} Hz x {c.channels}")
+    return Audio(b"".join(c.pcm for c in chunks), first.sample_rate, first.channels)
+
+
+def wav(audio: Audio) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(audio.channels)
+        w.setsampwidth(2)
+        w.setframerate(audio.sample_rate)
+        w.writeframes(audio.pcm)
+    return buf.getvalue()
