@@ -14,13 +14,15 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from typing import Any
 
 import kopf
 
 from omnifleet_runtime import constants as C
 
-from .reconcile import Api, Children, reconcile
+from .reconcile import Api, Children, event_object, now_iso, reconcile
+from .status import Event
 
 log = logging.getLogger("omnifleet.operator")
 
@@ -160,7 +162,7 @@ async def _work() -> None:
                 outcome = await reconcile(STATE.api, body, children_of(key))
                 STATE.passes += 1
                 for ev in outcome.events:
-                    kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+                    await _post_event(body, ev)
                 if outcome.applied or outcome.deleted:
                     log.info("%s/%s: applied %d, deleted %d", *key, outcome.applied, outcome.deleted)
         except asyncio.CancelledError:
@@ -170,6 +172,18 @@ async def _work() -> None:
             log.exception("%s/%s: reconcile failed; retrying on the next resync", *key)
         finally:
             STATE.queue.done(key)
+
+
+async def _post_event(body: dict[str, Any], ev: Event) -> None:
+    # Posted through our own client: kopf.event() only works inside kopf's own
+    # handler tasks (it needs their context), and these workers are not ones.
+    try:
+        await STATE.api.post_event(event_object(body, ev, now_iso(), socket.gethostname()))
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # an event is best effort: the status already says it
+        log.warning("%s/%s: posting event %s failed: %s", body["metadata"].get("namespace"),
+                    body["metadata"]["name"], ev.reason, err)
 
 
 async def _resync() -> None:

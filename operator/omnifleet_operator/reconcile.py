@@ -17,6 +17,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
 from lightkube.resources.core_v1 import ConfigMap, Service, ServiceAccount
+from lightkube.resources.core_v1 import Event as EventResource
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
@@ -71,6 +72,30 @@ class Plan:
     delete: list[Obj]
 
 
+EVENT_SOURCE = "omnifleet-operator"
+EVENT_MESSAGE_MAX = 1024
+
+
+def event_object(body: Obj, event: Event, now: str, instance: str = "") -> Obj:
+    """A core/v1 Event about a pipeline (what `kubectl describe omnip` lists)."""
+    meta = body["metadata"]
+    namespace = meta.get("namespace") or "default"
+    message = event.message
+    if len(message) > EVENT_MESSAGE_MAX:
+        message = message[:EVENT_MESSAGE_MAX - 3] + "..."
+    ref = {"apiVersion": body.get("apiVersion") or C.API_VERSION, "kind": body.get("kind") or C.KIND,
+           "name": meta["name"], "namespace": namespace, "uid": meta.get("uid")}
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": namespace},
+        "involvedObject": {k: v for k, v in ref.items() if v},
+        "type": event.type, "reason": event.reason, "message": message,
+        "source": {"component": EVENT_SOURCE},
+        "reportingComponent": EVENT_SOURCE, "reportingInstance": instance,
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+
+
 def parse(body: Obj) -> tuple[OmniPipeline | None, list[Problem]]:
     doc = {k: body.get(k) for k in ("apiVersion", "kind", "spec")}
     doc["metadata"] = {"name": body["metadata"]["name"], "namespace": body["metadata"].get("namespace")}
@@ -109,6 +134,9 @@ class Api:
         except ApiError as err:
             if err.status.code != 404:
                 raise
+
+    async def post_event(self, event: Obj) -> None:
+        await self.client.create(EventResource.from_dict(event), namespace=event["metadata"]["namespace"])
 
     async def write_status(self, namespace: str, name: str, status: Obj) -> None:
         await self.client.patch(OmniPipelineResource.Status, name, {"status": status}, namespace=namespace,

@@ -43,6 +43,7 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 SERVICE_CIDR = "172.20.0.0/16"  # kept apart from the pod CIDR below
 POD_CIDR = "10.0.0.0/8"  # kwok's default is a /24: too small for scale tests
 STOP_GRACE_S = 10.0
+NODE_LEASE_SECONDS = 40  # kwok renews each fake node's Lease (what kwokctl sets by default)
 # Log every write once (at ResponseComplete), nothing else.
 AUDIT_POLICY = {
     "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
@@ -387,6 +388,11 @@ class DevCluster:
                 f"--cidr={POD_CIDR}",
                 "--node-ip=127.0.0.1",
                 f"--server-address=127.0.0.1:{ports['kwok']}",
+                # The heartbeat-with-lease stage patches node status only every
+                # few minutes and relies on a node Lease for liveness: without
+                # one the node lifecycle controller declares every node
+                # not-Ready after ~40 s and marks their pods not-Ready.
+                f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
                 # kwok applies no stages by itself: node-initialize, heartbeat, pod lifecycle.
                 *(f"--config={p}" for p in build.stage_files()),
             ],

@@ -1,0 +1,43 @@
+"""Case 8: a stage that fits on no node is reported (CapacityPending) until a node that fits
+arrives (what the cluster autoscaler would add)."""
+
+from __future__ import annotations
+
+from omnifleet_operator.devcluster.cluster import kstatus
+
+from .kube import LABEL_PIPELINE, Kube, condition, pipeline_doc, wait_for, with_namespace
+
+
+def test_capacity_pending_until_a_node_fits(kube: Kube, operator, cluster, ns: str):
+    doc = pipeline_doc("huge", [
+        {"name": "prep", "type": "python", "entrypoint": "omnifleet_runtime.processors:passthrough", "gpus": 0},
+        {"name": "big", "type": "llm", "gpus": 16, "replicas": 1, "inputs": ["prep"], "finalOutput": "text"},
+    ])
+    kube.apply(with_namespace(doc, ns))
+    p = kube.wait_condition(ns, "huge", "CapacityPending")
+    ready = condition(p, "Ready")
+    assert ready["status"] == "False"
+    assert "stage big" in ready["message"] and "unschedulable" in ready["message"], ready
+    assert "stage prep" not in ready["message"]
+    assert p["status"]["phase"] == "Pending"
+    assert condition(p, "Stalled")["status"] == "False"  # not terminal: capacity may come
+    assert kstatus(p)["status"] == "InProgress"
+    uid = p["metadata"]["uid"]
+    wait_for(lambda: [e for e in kube.events(ns, uid) if e["reason"] == "CapacityPending" and e["type"] == "Warning"],
+             30, "a Warning event CapacityPending")
+
+    node = "gpu-16-0"
+    cluster.add_node(node, gpus=16)
+    try:
+        p = kube.wait_ready(ns, "huge", timeout=90)
+        pods = kube.list("Pod", ns, f"{LABEL_PIPELINE}=huge,omnifleet.dev/stage=big")
+        assert [q["spec"]["nodeName"] for q in pods] == [node]
+        assert kstatus(p)["status"] == "Current"
+    finally:
+        # Leave the GPU pool as it was. The pods go first, while kwok still serves the node
+        # (pods of a deleted node linger until the pod GC's timeout); the Deployments are
+        # deleted by hand because the garbage collector may not know OmniPipelines yet.
+        kube.kubectl("delete", "omnipipeline", "huge", "-n", ns, "--wait=false")
+        kube.kubectl("delete", "deployment", "-l", f"{LABEL_PIPELINE}=huge", "-n", ns, "--wait=false")
+        wait_for(lambda: not kube.list("Pod", ns, f"{LABEL_PIPELINE}=huge"), 60, "huge's pods gone")
+        cluster.remove_node(node)
