@@ -21,7 +21,7 @@ import kopf
 
 from omnifleet_runtime import constants as C
 
-from .reconcile import Api, Children, event_object, now_iso, reconcile
+from .reconcile import Api, AppliedCache, Children, event_object, now_iso, object_key, reconcile
 from .status import Event
 
 log = logging.getLogger("omnifleet.operator")
@@ -83,6 +83,8 @@ class State:
         self.indices: dict[str, Any] = {}
         self.tasks: list[asyncio.Task] = []
         self.api: Api | None = None
+        self.written: dict[str, dict[str, Any]] = {}  # by pipeline uid: the status last written
+        self.applied = AppliedCache()
         self.passes = 0
         self.errors = 0
 
@@ -101,8 +103,10 @@ def _register_index(group: str, version: str, plural: str) -> None:
 
     kopf.index(group, version, plural, labels=OWNED, id=f"{plural}_idx")(index)
 
-    def changed(namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
+    def changed(event: dict[str, Any], body: Any, namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
         _capture(kwargs)
+        if event.get("type") == "DELETED":
+            STATE.applied.forget(object_key(body))
         STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
 
     kopf.on.event(group, version, plural, labels=OWNED, id=f"{plural}_event")(changed)
@@ -133,6 +137,7 @@ def pipeline_event(event: dict[str, Any], namespace: str, name: str, body: Any, 
     key = (namespace, name)
     if event.get("type") == "DELETED":
         STATE.pipelines.pop(key, None)
+        STATE.written.pop(body["metadata"].get("uid"), None)
         return  # children go by garbage collection (owner references)
     STATE.pipelines[key] = _plain(body)
     STATE.queue.add(key)
@@ -159,7 +164,11 @@ async def _work() -> None:
         try:
             body = STATE.pipelines.get(key)
             if body is not None and not body["metadata"].get("deletionTimestamp"):
-                outcome = await reconcile(STATE.api, body, children_of(key))
+                uid = body["metadata"]["uid"]
+                outcome = await reconcile(STATE.api, body, children_of(key), last_status=STATE.written.get(uid),
+                                          cache=STATE.applied)
+                if outcome.status_written:
+                    STATE.written[uid] = outcome.status
                 STATE.passes += 1
                 for ev in outcome.events:
                     await _post_event(body, ev)
@@ -199,7 +208,6 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True
     settings.watching.server_timeout = WATCH_TIMEOUT
     settings.watching.client_timeout = WATCH_TIMEOUT + 10
-    settings.posting.enabled = True
     settings.networking.error_backoffs = [1, 2, 5]
     STATE.api = Api()
     STATE.tasks = [asyncio.create_task(_work()) for _ in range(WORKERS)]

@@ -66,12 +66,6 @@ class Children:
         return None
 
 
-@dataclass
-class Plan:
-    apply: list[Obj]
-    delete: list[Obj]
-
-
 EVENT_SOURCE = "omnifleet-operator"
 EVENT_MESSAGE_MAX = 1024
 
@@ -106,14 +100,66 @@ def _owned_by(obj: Obj, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [])
 
 
-def plan(desired: list[Obj], children: Children, uid: str) -> Plan:
-    """What to apply (missing or drifted) and what to delete (ours, no longer desired)."""
+def object_key(obj: Obj) -> tuple[str, str, str, str]:
+    meta = obj["metadata"]
+    return (obj["apiVersion"], obj["kind"], meta.get("namespace") or "", meta["name"])
+
+
+def _resource_version(obj: Obj) -> int | None:
+    try:
+        return int(obj["metadata"]["resourceVersion"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+@dataclass
+class AppliedCache:
+    """What this operator last applied to each child and the resourceVersion that came back.
+
+    The watch shows a write a moment later; a pass in between would see the
+    older object and send the same apply again. Such an object is *pending*:
+    not applied again, and not yet taken as observed by status.
+    """
+
+    entries: dict[tuple[str, str, str, str], tuple[str, int]] = field(default_factory=dict)
+
+    def record(self, obj: Obj, resource_version: int | None) -> None:
+        if resource_version is not None:
+            self.entries[object_key(obj)] = (render.stable_hash(obj), resource_version)
+
+    def forget(self, key: tuple[str, str, str, str]) -> None:
+        self.entries.pop(key, None)
+
+    def pending(self, obj: Obj, live: Obj | None) -> bool:
+        entry = self.entries.get(object_key(obj))
+        if entry is None or entry[0] != render.stable_hash(obj):
+            return False
+        if live is None:
+            return True  # created here, its ADDED event not seen yet (a deletion forgets the entry)
+        rv = _resource_version(live)
+        return rv is not None and rv < entry[1]
+
+
+@dataclass
+class Plan:
+    apply: list[Obj]
+    delete: list[Obj]
+    pending: list[Obj] = field(default_factory=list)
+
+
+def plan(desired: list[Obj], children: Children, uid: str, cache: AppliedCache | None = None) -> Plan:
+    """What to apply (missing or drifted), what is pending, what to delete (ours, no longer desired)."""
     wanted = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in desired}
-    to_apply = [o for o in desired
-                if not is_subset(o, children.find(o["apiVersion"], o["kind"], o["metadata"]["name"]))]
-    to_delete = [o for o in children.objects
-                 if (o.get("apiVersion"), o.get("kind"), o["metadata"]["name"]) not in wanted and _owned_by(o, uid)]
-    return Plan(to_apply, to_delete)
+    out = Plan([], [])
+    for o in desired:
+        live = children.find(o["apiVersion"], o["kind"], o["metadata"]["name"])
+        if cache is not None and cache.pending(o, live):
+            out.pending.append(o)
+        elif not is_subset(o, live):
+            out.apply.append(o)
+    out.delete = [o for o in children.objects
+                  if (o.get("apiVersion"), o.get("kind"), o["metadata"]["name"]) not in wanted and _owned_by(o, uid)]
+    return out
 
 
 class Api:
@@ -122,10 +168,15 @@ class Api:
     def __init__(self, client: AsyncClient | None = None):
         self.client = client or AsyncClient(field_manager=C.FIELD_MANAGER)
 
-    async def apply(self, obj: Obj) -> None:
+    async def apply(self, obj: Obj) -> int | None:
+        """Server-side apply; the resourceVersion of the result."""
         res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
-        await self.client.patch(res, obj["metadata"]["name"], obj, namespace=obj["metadata"]["namespace"],
-                                patch_type=PatchType.APPLY, field_manager=C.FIELD_MANAGER, force=True)
+        out = await self.client.patch(res, obj["metadata"]["name"], obj, namespace=obj["metadata"]["namespace"],
+                                      patch_type=PatchType.APPLY, field_manager=C.FIELD_MANAGER, force=True)
+        try:
+            return int(out.metadata.resourceVersion)
+        except (AttributeError, TypeError, ValueError):
+            return None
 
     async def delete(self, obj: Obj) -> None:
         res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
@@ -154,11 +205,19 @@ class Outcome:
     applied: int = 0
     deleted: int = 0
     status_written: bool = False
+    status: Obj = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
 
 
-async def reconcile(api: Api, body: Obj, children: Children, registered: dict[str, int] | None = None) -> Outcome:
-    """One pass. Writes only what differs; never raises for a bad spec."""
+async def reconcile(api: Api, body: Obj, children: Children, registered: dict[str, int] | None = None,
+                    last_status: Obj | None = None, cache: AppliedCache | None = None) -> Outcome:
+    """One pass. Writes only what differs; never raises for a bad spec.
+
+    `last_status` is the status this operator last wrote for this object: a
+    pass that runs before that write comes back through the watch compares
+    with it rather than with the older status in `body`, so it neither writes
+    the same status twice nor repeats its events.
+    """
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace", "default"), meta["uid"]
     generation = int(meta.get("generation") or 0)
@@ -168,10 +227,14 @@ async def reconcile(api: Api, body: Obj, children: Children, registered: dict[st
     applied: list[str] = []
     if doc is not None:
         # The CR's namespace is where children go, whatever the spec document said.
-        todo = plan(render.desired(doc, owner_uid=uid), children, uid)
+        todo = plan(render.desired(doc, owner_uid=uid), children, uid, cache)
+        # Status must not call pending objects observed: what `children` shows of them is older.
+        applied += [f"{o['kind']}/{o['metadata']['name']}" for o in todo.pending]
         try:
             for obj in todo.apply:
-                await api.apply(obj)
+                rv = await api.apply(obj)
+                if cache is not None:
+                    cache.record(obj, rv)
                 applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
                 outcome.applied += 1
             for obj in todo.delete:
@@ -182,12 +245,13 @@ async def reconcile(api: Api, body: Obj, children: Children, registered: dict[st
             log.warning("%s/%s: apply failed: %s", namespace, name, apply_error)
 
     deployments = {o["metadata"]["name"]: o for o in children.objects if o.get("kind") == "Deployment"}
-    prior = body.get("status") or {}
+    prior = last_status if last_status is not None else (body.get("status") or {})
     status = compute_status(
         name=name, namespace=namespace, generation=generation, doc=doc, problems=problems,
         observed=Observed(deployments=deployments, pods=children.pods, registered=registered),
         prior=prior, now=now_iso(), apply_error=apply_error, applied=applied,
     )
+    outcome.status = status
     if status != prior:
         await api.write_status(namespace, name, status)
         outcome.status_written = True
