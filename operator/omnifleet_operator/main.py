@@ -8,11 +8,16 @@
    in namespace omnifleet-demo;
 4. wait (bounded, with progress lines) until it is Ready and print the kubectl
    commands to watch it;
-5. stay in the foreground until Ctrl-C / SIGTERM, then `omnifleet dev down`, so
-   stopping leaves nothing running.
+5. the data plane, for real (the cluster's pods are kwok fakes that run
+   nothing): a tiny two-stage vLLM pipeline started as local processes by
+   `omnifleet run` (localdemo.py; the first run installs vLLM's CPU build and
+   makes the tiny model, with progress), and how to query it with curl and the
+   `openai` client;
+6. stay in the foreground until Ctrl-C / SIGTERM, then stop the local pipeline
+   and `omnifleet dev down`, so stopping leaves nothing running.
 
-`--exit-when-ready` ends after step 4 (and still tears everything down unless
-`--keep-running`): that is how a test runs it to completion.
+`--exit-when-ready` ends after step 5 with one real request answered (and still
+tears everything down unless `--keep-running`); `--skip-local` leaves out step 5.
 """
 
 from __future__ import annotations
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-dir", type=Path, default=None, help="the dev cluster's state dir (default: the dev one)")
     p.add_argument("-n", "--namespace", default=NAMESPACE)
     p.add_argument("--timeout", type=float, default=READY_TIMEOUT_S, help="seconds to wait for Ready")
+    p.add_argument("--skip-local", action="store_true",
+                   help="skip the local data plane (a tiny two-stage vLLM pipeline run as plain processes)")
     args = p.parse_args(argv)
 
     print("== validating the samples", flush=True)
@@ -152,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print_howto(cluster, args.namespace, name)
         code = 0
+        if not args.skip_local:
+            # The cluster's pods are kwok fakes that run nothing; the data plane runs here, for real.
+            print("== the data plane, locally: a tiny two-stage vLLM pipeline (`omnifleet run`)", flush=True)
+            from . import localdemo
+
+            code = localdemo.main(["--exit-when-ready"] if args.exit_when_ready else [])
+            return code
         if args.exit_when_ready:
             return 0
         print("Running. Press Ctrl-C (or send SIGTERM) to stop; that runs `omnifleet dev down`.", flush=True)

@@ -66,7 +66,8 @@ def test_dev_up_twice_status_and_main_job_teardown(tmp_path: Path):
         assert r.returncode == 0 and "operator: running" in r.stdout and "control plane: running" in r.stdout, r.stdout
 
         # The main job on the same state dir: reuses it, gets speech Ready, then runs until SIGTERM.
-        proc = subprocess.Popen([sys.executable, "-m", "omnifleet_operator.main", "--state-dir", str(state)],
+        proc = subprocess.Popen([sys.executable, "-m", "omnifleet_operator.main", "--state-dir", str(state),
+                                 "--skip-local"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
         out: queue.Queue[str] = queue.Queue()
         reader = threading.Thread(target=lambda: [out.put(line) for line in proc.stdout], daemon=True)
