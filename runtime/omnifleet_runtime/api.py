@@ -404,12 +404,7 @@ class Api:
                 sampling[stage].update(params)
         except ValueError as e:
             return error_response(400, str(e), "invalid_request_error")
-        model = self._model(body)
-        if isinstance(model, web.Response):
-            return model
-        info = wire.RequestInfo(request_id=f"img-{uuid.uuid4().hex}", kind="image", model=model, prompt=prompt,
-                                extra={k: v for k, v in body.items() if k != "prompt"})
-        run = self._start(info, sampling, final)
+        run = self._start_for(body, "image", "img", "prompt", sampling, final)
         if isinstance(run, web.Response):
             return run
         try:
@@ -426,6 +421,16 @@ class Api:
         prefix = "" if fmt == "b64_json" else "data:image/png;base64,"
         return web.json_response({"created": int(time.time()), "data": [
             {key: prefix + base64.b64encode(p).decode()} for p in pngs]})
+
+    def _start_for(self, body: dict, kind: str, id_prefix: str, prompt_key: str,
+                   sampling: dict, final: list[str]) -> Any:
+        """Start a request whose prompt is body[prompt_key]: the run, or an error response."""
+        model = self._model(body)
+        if isinstance(model, web.Response):
+            return model
+        info = wire.RequestInfo(request_id=f"{id_prefix}-{uuid.uuid4().hex}", kind=kind, model=model,
+                                prompt=body[prompt_key], extra={k: v for k, v in body.items() if k != prompt_key})
+        return self._start(info, sampling, final)
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -445,12 +450,7 @@ class Api:
             sampling = self._sampling(body, top_level=False)
         except ValueError as e:
             return error_response(400, str(e), "invalid_request_error")
-        model = self._model(body)
-        if isinstance(model, web.Response):
-            return model
-        info = wire.RequestInfo(request_id=f"tts-{uuid.uuid4().hex}", kind="speech", model=model, prompt=text,
-                                extra={k: v for k, v in body.items() if k != "input"})
-        run = self._start(info, sampling, final)
+        run = self._start_for(body, "speech", "tts", "input", sampling, final)
         if isinstance(run, web.Response):
             return run
         try:

@@ -62,7 +62,7 @@ ENV_POD_IP = "OMNIFLEET_POD_IP"  # advertised for stage-to-stage data
 # a silent peer is declared dead after HEARTBEAT_TIMEOUT_S, so a dead replica
 # is noticed within about HEARTBEAT_INTERVAL_S + HEARTBEAT_TIMEOUT_S.
 HEARTBEAT_INTERVAL_S = 0.5
-HEARTBEAT_TIMEOUT_S = 1.5
+HEARTBEAT_TIMEOUT_S = 2.0
 # How long an accepted request waits for a replica of a stage that has none.
 REPLICA_WAIT_TIMEOUT_S = 30.0
 # Default deadline of a control RPC to the replicas of a stage.

@@ -143,8 +143,17 @@ class Master:
 
     async def _heartbeat_loop(self) -> None:
         beat = wire.MasterHeartbeat(self.master_id)
+        last_tick = time.monotonic()
         while True:
-            for rep in self.membership.expire(time.monotonic()):
+            now = time.monotonic()
+            # After a stall of this process (starved of CPU, say), the replicas'
+            # heartbeats may still sit unread in the socket: judge them only
+            # once the receive loop has had a turn.
+            stalled = now - last_tick > 2 * C.HEARTBEAT_INTERVAL_S
+            if stalled:
+                log.warning("the master's event loop stalled for %.1fs", now - last_tick - C.HEARTBEAT_INTERVAL_S)
+            last_tick = now
+            for rep in [] if stalled else self.membership.expire(now):
                 log.warning("replica %s lost: no heartbeat for %.1fs", rep, C.HEARTBEAT_TIMEOUT_S)
                 self.metrics.replica_losses.inc(stage=rep.stage)
                 self.orch.on_replica_lost(rep, "was lost")

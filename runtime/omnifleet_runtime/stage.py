@@ -248,7 +248,8 @@ class StageWorker:
             if now >= next_beat:
                 await self._send_master(self._heartbeat(), block=False)
                 next_beat = now + C.HEARTBEAT_INTERVAL_S
-            if now - last_seen > C.HEARTBEAT_TIMEOUT_S:
+            # Lost only if nothing is waiting: a stall of this process leaves the beats queued.
+            if now - last_seen > C.HEARTBEAT_TIMEOUT_S and not await sock.poll(0):
                 return f"no heartbeat from the master for {C.HEARTBEAT_TIMEOUT_S:g}s"
             if not await sock.poll(max(0.0, min(next_beat, last_seen + C.HEARTBEAT_TIMEOUT_S) - now) * 1000 + 1):
                 continue

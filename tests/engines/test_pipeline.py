@@ -193,7 +193,8 @@ def test_chat_greedy_tokens_equal_the_engines_called_directly(fleet):
 
     # What reached stage 2's input processor: stage 1's chunks, text and token ids.
     chunks = rec["chunks"]
-    assert rec["upstream"] == "thinker" and len(chunks) > 1
+    # (How many chunks depends on timing: vLLM merges deltas a slow reader has not taken yet.)
+    assert rec["upstream"] == "thinker" and len(chunks) >= 1
     assert all(set(c) >= {"text", "token_ids"} for c in chunks)  # (extra tensors: test_parts.py)
     assert chunks[0]["prompt_token_ids"] and chunks[-1]["finish_reason"] == "length"
     thinker_ids = [t for c in chunks for t in c["token_ids"]]
