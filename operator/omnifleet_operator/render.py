@@ -50,9 +50,25 @@ def prune(value: Any) -> Any:
     return value
 
 
+_CONFIG_TEXTS: dict[str, str] = {}  # repr of the pruned resolved pipeline -> its YAML
+_CONFIG_TEXTS_MAX = 4096
+
+
 def config_text(doc: OmniPipeline) -> str:
-    """The mounted config: the resolved pipeline, exactly what the runtime parses."""
-    return yaml.safe_dump(prune(dump(resolve(doc))), sort_keys=True)
+    """The mounted config: the resolved pipeline, exactly what the runtime parses.
+
+    YAML-dumping it is most of the cost of `desired`, which the operator calls on
+    every pass over every pipeline: the text is memoized by content (repr keeps
+    1, 1.0, True and "1" apart), so an unchanged pipeline is dumped once.
+    """
+    data = prune(dump(resolve(doc)))
+    key = repr(data)
+    text = _CONFIG_TEXTS.get(key)
+    if text is None:
+        if len(_CONFIG_TEXTS) >= _CONFIG_TEXTS_MAX:
+            _CONFIG_TEXTS.clear()
+        text = _CONFIG_TEXTS[key] = yaml.safe_dump(data, sort_keys=True)
+    return text
 
 
 def group_view(doc: OmniPipeline, host: str) -> Obj:
