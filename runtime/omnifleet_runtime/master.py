@@ -15,6 +15,7 @@ import uuid
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 from aiohttp import web
 
 from . import constants as C
@@ -25,6 +26,9 @@ from .membership import Membership, Replica
 from .metrics import MasterMetrics
 from .orchestrator import Orchestrator
 from .schema import OmniPipeline
+from .turns import Turns
+
+DRAIN_POLLS = 1000  # about a second of reading before a closed connection is acted on
 
 log = logging.getLogger("omnifleet.master")
 
@@ -61,7 +65,9 @@ class Master:
     # ------------------------------------------------------------ receiving
 
     async def _recv_loop(self) -> None:
+        turns = Turns()
         while True:
+            await turns.take()
             frames = await self.sock.recv_multipart(copy=False)
             try:
                 self._handle(frames)
@@ -146,14 +152,15 @@ class Master:
         last_tick = time.monotonic()
         while True:
             now = time.monotonic()
-            # After a stall of this process (starved of CPU, say), the replicas'
-            # heartbeats may still sit unread in the socket: judge them only
-            # once the receive loop has had a turn.
-            stalled = now - last_tick > 2 * C.HEARTBEAT_INTERVAL_S
-            if stalled:
-                log.warning("the master's event loop stalled for %.1fs", now - last_tick - C.HEARTBEAT_INTERVAL_S)
+            stall = now - last_tick - C.HEARTBEAT_INTERVAL_S
             last_tick = now
-            for rep in [] if stalled else self.membership.expire(now):
+            if stall > C.HEARTBEAT_INTERVAL_S:
+                # Whatever froze this process (CPU starvation, a paused VM, a
+                # throttled pod) may have frozen the replicas too, and their
+                # beats may sit unread in the socket: the stall is not their silence.
+                log.warning("the master's event loop stalled for %.1fs", stall)
+                self.membership.credit(stall)
+            for rep in self.membership.expire(now):
                 log.warning("replica %s lost: no heartbeat for %.1fs", rep, C.HEARTBEAT_TIMEOUT_S)
                 self.metrics.replica_losses.inc(stage=rep.stage)
                 self.orch.on_replica_lost(rep, "was lost")
@@ -161,12 +168,52 @@ class Master:
                 self.send(rep.identity, beat)
             await asyncio.sleep(C.HEARTBEAT_INTERVAL_S)
 
+    async def _disconnect_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        """A closed connection is a replica gone now, not after the heartbeat timeout."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            # What the replica sent before it closed (a last Done, its Deregister)
+            # is still queued: let the receive loop read it first (bounded: others keep sending).
+            for _ in range(DRAIN_POLLS):
+                if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                await asyncio.sleep(0.001)
+            self._drop_unroutable()
+
+    def _drop_unroutable(self) -> None:
+        # The event names a file descriptor, not a replica: probe them all.
+        # With ROUTER_MANDATORY a send to an identity whose connection is gone
+        # fails with EHOSTUNREACH (only here: elsewhere unknown peers are dropped).
+        probe = zmq.Socket.shadow(self.sock.underlying)
+        beat = wire.encode(wire.MasterHeartbeat(self.master_id))
+        gone = []
+        probe.router_mandatory = 1
+        try:
+            for rep in self.membership.all():
+                try:
+                    probe.send_multipart([rep.identity, *beat], flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # connected, its queue full
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EHOSTUNREACH:
+                        gone.append(rep)
+        finally:
+            probe.router_mandatory = 0
+        for rep in gone:
+            if self.membership.leave(rep.identity) is not None:
+                log.warning("replica %s lost: its connection closed", rep)
+                self.metrics.replica_losses.inc(stage=rep.stage)
+                self.orch.on_replica_lost(rep, "was lost")
+
     # ------------------------------------------------------------ run
 
     async def serve(self, stop: asyncio.Event) -> None:
         ctx = zmq.asyncio.Context()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(f"tcp://{self.host}:{self.control_port}")
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=2.0)
@@ -175,13 +222,16 @@ class Master:
         log.info("master %s: API http://%s:%d, control tcp://%s:%d, stages %s",
                  self.master_id, self.host, self.api_port, self.host, self.control_port,
                  ", ".join(self.stage_names))
-        tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+        tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop()),
+                 asyncio.create_task(self._disconnect_loop(monitor))]
         try:
             await stop.wait()
         finally:
             for t in tasks:
                 t.cancel()
             await runner.cleanup()
+            self.sock.disable_monitor()
+            monitor.close()
             self.sock.close()
             ctx.term()
 

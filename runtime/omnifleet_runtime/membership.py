@@ -77,6 +77,11 @@ class Membership:
             self._notify()
         return dead
 
+    def credit(self, seconds: float) -> None:
+        """Do not count the last `seconds` as anyone's silence (this process was not looking)."""
+        for r in self._by_identity.values():
+            r.last_seen += seconds
+
     def all(self) -> list[Replica]:
         return list(self._by_identity.values())
 

@@ -91,7 +91,7 @@ class Orchestrator:
         self.final = {s.name for s in spec.stages if s.final_output != "none"}
         self.downstream = {s.name: [t.name for t in spec.stages if s.name in t.inputs] for s in spec.stages}
         self.runs: dict[str, Run] = {}
-        self._calls: dict[str, asyncio.Future] = {}
+        self._calls: dict[str, tuple[bytes, asyncio.Future]] = {}  # call id -> (replica identity, answer)
         self._tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ requests
@@ -225,6 +225,10 @@ class Orchestrator:
             self._close(run, Event("end"), "ok")
 
     def on_replica_lost(self, rep: Replica, why: str) -> None:
+        # Its answers to control calls will not come (a new session is a new identity).
+        for call_id, (identity, fut) in self._calls.items():
+            if identity == rep.identity and not fut.done():
+                fut.set_result(wire.ControlReply(call_id, False, error=f"replica {why} before answering"))
         for run in list(self.runs.values()):
             held = [s for s in run.pending if run.plan[s] is rep]
             if not held:
@@ -249,7 +253,8 @@ class Orchestrator:
         ids = []
         for rep in self.membership.replicas(stage):
             ids.append(uuid.uuid4().hex)
-            calls[rep.replica] = self._calls[ids[-1]] = asyncio.get_running_loop().create_future()
+            calls[rep.replica] = fut = asyncio.get_running_loop().create_future()
+            self._calls[ids[-1]] = (rep.identity, fut)
             self.send(rep.identity, wire.Control(ids[-1], method, args))
         try:
             if calls:
@@ -269,6 +274,6 @@ class Orchestrator:
         return answers
 
     def on_control_reply(self, msg: wire.ControlReply) -> None:
-        fut = self._calls.get(msg.call_id)
+        _, fut = self._calls.get(msg.call_id, (None, None))
         if fut is not None and not fut.done():
             fut.set_result(msg)

@@ -2,7 +2,8 @@
 
 The worker loads its engine once, binds its data port (a PULL socket that
 upstream stages push chunks to), connects out to the master and registers.
-When the master goes away (no heartbeat) or forgets it (Reset), the worker
+When the master goes away (its connection closes, or no heartbeat) or
+forgets it (Reset), the worker
 aborts what it was doing for that master and registers again on a fresh
 connection (so a moved master is resolved anew); the engine stays loaded.
 
@@ -32,11 +33,13 @@ from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from . import constants as C
 from . import shm, wire
 from .engines import Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .schema import OmniPipeline
+from .turns import Turns
 
 log = logging.getLogger("omnifleet.stage")
 
@@ -198,12 +201,13 @@ class StageWorker:
             sock.linger = 0
             sock.immediate = True  # queue nothing for a master that is not connected
             sock.routing_id = f"{self.stage.name}/{self.replica}/{uuid.uuid4().hex[:8]}".encode()
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(self.master_addr)
             try:
                 master_id = await self._register(sock)
                 self.master = sock
                 log.info("registered with master %s at %s", master_id, self.master_addr)
-                why = await self._serve_master(sock)
+                why = await self._serve_master(sock, monitor)
                 log.warning("master session ended (%s); registering again", why)
                 backoff = 0.0
             except Refused as e:
@@ -216,6 +220,8 @@ class StageWorker:
             finally:
                 self.master = None
                 self._abort_all()  # whatever the old master sent us can no longer be delivered
+                sock.disable_monitor()
+                monitor.close(linger=0)
                 sock.close(linger=500 if self.draining else 0)  # let a Deregister leave
 
     async def _register(self, sock: zmq.asyncio.Socket) -> str:
@@ -240,18 +246,34 @@ class StageWorker:
                         raise Refused(msg.reason)
                     return msg.master_id
 
-    async def _serve_master(self, sock: zmq.asyncio.Socket) -> str:
+    async def _serve_master(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> str:
         """Handle the master's messages until it is lost; returns why the session ended."""
-        last_seen = next_beat = time.monotonic()
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        last_seen = next_beat = last_tick = time.monotonic()
         while True:
             now = time.monotonic()
+            # This loop wakes at least once per interval; a longer gap is a stall
+            # of this process (or of the whole machine), not the master's silence.
+            stall = now - last_tick - C.HEARTBEAT_INTERVAL_S
+            if stall > C.HEARTBEAT_INTERVAL_S:
+                log.warning("this stage's event loop stalled for %.1fs", stall)
+                last_seen += stall
+            last_tick = now
             if now >= next_beat:
                 await self._send_master(self._heartbeat(), block=False)
                 next_beat = now + C.HEARTBEAT_INTERVAL_S
-            # Lost only if nothing is waiting: a stall of this process leaves the beats queued.
+            # Lost only if nothing is waiting: beats may have queued while this loop was busy.
             if now - last_seen > C.HEARTBEAT_TIMEOUT_S and not await sock.poll(0):
                 return f"no heartbeat from the master for {C.HEARTBEAT_TIMEOUT_S:g}s"
-            if not await sock.poll(max(0.0, min(next_beat, last_seen + C.HEARTBEAT_TIMEOUT_S) - now) * 1000 + 1):
+            ready = dict(await poller.poll(max(0.0, min(next_beat, last_seen + C.HEARTBEAT_TIMEOUT_S) - now)
+                                           * 1000 + 1))
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    return "the master's connection closed"
+            if sock not in ready:
                 continue
             msg = self._decode_control(await sock.recv_multipart(copy=False))
             if msg is None:
@@ -367,9 +389,11 @@ class StageWorker:
                 await self._acquire_slot()
                 try:
                     request = EngineRequest(msg.request_id, job.iter_inputs(), msg.sampling_params, msg.info)
+                    turns = Turns()
                     async for out in self.engine.generate(request):
                         await self._emit(job, seq, out)
                         seq += 1
+                        await turns.take()
                     eof = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, eof=True))
                     for route in msg.routes:
                         await self._send_peer(route, eof)
@@ -431,7 +455,9 @@ class StageWorker:
     # ------------------------------------------------------------ data port
 
     async def _data_loop(self) -> None:
+        turns = Turns()
         while True:
+            await turns.take()
             frames = await self.data.recv_multipart(copy=False)
             try:
                 msg = wire.decode(frames)

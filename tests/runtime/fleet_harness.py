@@ -184,11 +184,11 @@ class Fleet:
     def openai(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30, **kw)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **{"timeout": 30, **kw})
 
     def async_openai(self, **kw):
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30, **kw)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **{"timeout": 30, **kw})
 
 

@@ -131,10 +131,20 @@ def echo(inputs, sampling_params, context):
     return inputs
 
 
-def omnifleet_control(method, args):
+async def flood(inputs, sampling_params, context):
+    """As many tiny chunks as asked for, as fast as the stage can send them (no await between them)."""
+    mark("flooding")
+    for i in range(int(sampling_params["chunks"])):
+        yield f"{i},"
+
+
+async def omnifleet_control(method, args):
     """Control hook of this module's stages."""
     if method == "whoami":
         return {"pod": os.environ.get("OMNIFLEET_POD_NAME"), "pid": os.getpid(), "args": args}
+    if method == "wait_gate":
+        mark(f"control-waiting-{os.environ.get('OMNIFLEET_POD_NAME')}")
+        return await wait_for("gate")
     raise ValueError(f"unsupported control method {method!r}")
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 
 import openai
 import pytest
 
 from fleet_harness import pipeline, stage, wait_until
+from omnifleet_runtime import constants as C
 
 LOST_AFTER_STREAMING = "was lost after output was streamed"
 
@@ -125,7 +127,9 @@ def test_master_restart_stages_reregister_without_reloading(make_fleet):
     assert (fleet.dir / "loads.log").read_text() == loads  # engines were not rebuilt
     assert fleet.procs["pod-a"].alive() and fleet.procs["pod-b"].alive()
     for pod in ("pod-a", "pod-b"):
-        assert "registering again" in fleet.procs[pod].output()
+        # Noticed by the closed connection, not after the heartbeat timeout.
+        assert "master session ended (the master's connection closed); registering again" \
+            in fleet.procs[pod].output()
 
 
 def test_sigterm_drains_in_flight_work_and_exits_zero(make_fleet):
@@ -155,3 +159,110 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(make_fleet):
     assert result["out"].choices[0].text == "inflight@pod-a"
     assert pod.popen.wait(timeout=30) == 0
     assert "deregistered" in fleet.procs["master"].output()
+
+
+def test_control_call_to_a_replica_that_dies_is_answered_at_once(make_fleet):
+    """The call's answer is the loss, not a wait for the call's timeout (the new session is a new identity)."""
+    fleet = make_fleet(pipeline(stage("a", "echo", finalOutput="text")))
+    fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    fleet.wait_ready()
+    answer: dict = {}
+
+    def call() -> None:
+        answer.update(fleet.http("POST", "/v1/stages/a/control", {"method": "wait_gate", "timeout": 600})[1])
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_until(lambda: (fleet.dir / "control-waiting-pod-a").exists(), "the control call to reach the stage")
+    fleet.procs["pod-a"].signal_group(signal.SIGKILL)
+    caller.join(timeout=60)  # the urllib timeout (30 s) ends it too, far short of the call's 600 s
+    (rep,) = answer["replicas"].values()
+    assert rep == {"ok": False, "error": "replica was lost before answering"}
+
+
+def test_a_flood_of_outputs_leaves_the_master_responsive(make_fleet):
+    """A stage streams tiny chunks as fast as it can; the master still answers HTTP meanwhile.
+
+    pyzmq's asyncio receive does not yield while messages are queued, so a
+    receive loop over a backlog held heartbeats and HTTP until it was empty
+    (and the stage judged the master lost mid-request).
+    """
+    chunks = 150_000
+    fleet = make_fleet(pipeline(stage("a", "flood", finalOutput="text")))
+    fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    fleet.wait_ready()
+    done, result = threading.Event(), {}
+
+    def flood() -> None:
+        out = fleet.openai(timeout=80).completions.create(
+            model="test", prompt="go", extra_body={"stage_sampling_params": {"a": {"chunks": chunks}}})
+        result["text"] = out.choices[0].text
+        done.set()
+
+    caller = threading.Thread(target=flood)
+    caller.start()
+    wait_until(lambda: (fleet.dir / "flooding").exists(), "the stage to start flooding")
+    assert fleet.get("/health")[0] == 200
+    answered_during_the_flood = not done.is_set()
+    caller.join(timeout=80)
+    assert result["text"] == "".join(f"{i}," for i in range(chunks))
+    assert answered_during_the_flood
+    assert "master session ended" not in fleet.procs["pod-a"].output()
+    assert fleet.metric("omnifleet_replica_lost_total") == 0
+
+
+def test_a_pause_of_the_whole_fleet_is_no_death(make_fleet):
+    """Every process stops for longer than the heartbeat timeout, then all go on (a paused VM, a throttled node).
+
+    Each side sees that its own loop stalled and does not count the pause as
+    the other's silence; a lone master or stage that stops that long is lost,
+    as the kill tests show.
+    """
+    fleet = make_fleet(pipeline(stage("a", "upper"), stage("b", "exclaim", inputs=["a"], finalOutput="text")))
+    fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    fleet.start_pod("pod-b", "b")
+    fleet.wait_ready()
+    client = fleet.openai()
+    assert client.completions.create(model="test", prompt="before").choices[0].text == "BEFORE!"
+
+    procs = list(fleet.procs.values())
+    for proc in procs:
+        proc.signal_group(signal.SIGSTOP)
+    time.sleep(C.HEARTBEAT_TIMEOUT_S + 1.0)  # the pause itself
+    for proc in procs:
+        proc.signal_group(signal.SIGCONT)
+    # A false loss would be judged within one timeout of the resume.
+    time.sleep(C.HEARTBEAT_TIMEOUT_S + 2 * C.HEARTBEAT_INTERVAL_S)
+
+    assert client.completions.create(model="test", prompt="after").choices[0].text == "AFTER!"
+    for pod in ("pod-a", "pod-b"):
+        assert "master session ended" not in fleet.procs[pod].output()
+    assert fleet.metric("omnifleet_replica_lost_total") == 0
+    assert "the master's event loop stalled" in fleet.procs["master"].output()  # the pause was seen
+    for pod in ("pod-a", "pod-b"):
+        assert "stage's event loop stalled" in fleet.procs[pod].output()
+
+
+def test_a_dead_replica_is_lost_by_its_closed_connection_a_hung_one_by_silence(make_fleet):
+    fleet = make_fleet(pipeline(stage("a", "upper", replicas=2), stage("b", "exclaim", inputs=["a"],
+                                                                     finalOutput="text")))
+    fleet.start_master()
+    for pod in ("pod-a1", "pod-a2", "pod-b"):
+        fleet.start_pod(pod, pod[4])
+    fleet.wait_ready()
+    replicas = lambda: fleet.metric("omnifleet_stage_replicas", stage="a")  # noqa: E731
+
+    fleet.procs["pod-a1"].signal_group(signal.SIGKILL)
+    wait_until(lambda: replicas() == 1, "the killed replica to be dropped")
+    assert "replica a/pod-a1 lost: its connection closed" in fleet.procs["master"].output()
+
+    fleet.procs["pod-a2"].signal_group(signal.SIGSTOP)  # hung: its connection stays open
+    wait_until(lambda: replicas() == 0, "the hung replica to be dropped", timeout=30)
+    assert f"replica a/pod-a2 lost: no heartbeat for {C.HEARTBEAT_TIMEOUT_S:.1f}s" in fleet.procs["master"].output()
+    fleet.procs["pod-a2"].signal_group(signal.SIGCONT)  # it wakes up, is told it is unknown, registers again
+    wait_until(lambda: replicas() == 1, "the woken replica to register again", timeout=30)
+    assert fleet.openai().completions.create(model="test", prompt="again").choices[0].text == "AGAIN!"
+    assert fleet.metric("omnifleet_replica_lost_total", stage="a") == 2
