@@ -29,6 +29,11 @@ log = logging.getLogger("omnifleet.operator")
 RESYNC_SECONDS = float(os.environ.get("OMNIFLEET_RESYNC_SECONDS", "60"))
 WORKERS = int(os.environ.get("OMNIFLEET_WORKERS", "8"))
 WATCH_TIMEOUT = int(os.environ.get("OMNIFLEET_WATCH_TIMEOUT", "300"))
+# A pipeline's status is written at once when a condition, the phase or the
+# observed generation changes, and at most this often for progress alone
+# (counters as pods come up): each write is an apiserver write and a watch
+# event that queues the pipeline again.
+PROGRESS_WRITE_SECONDS = float(os.environ.get("OMNIFLEET_PROGRESS_WRITE_SECONDS", "5"))
 
 # (group, version, plural) of each kind the operator renders; pods only for status.
 CHILD_RESOURCES = [
@@ -84,6 +89,8 @@ class State:
         self.tasks: list[asyncio.Task] = []
         self.api: Api | None = None
         self.written: dict[str, dict[str, Any]] = {}  # by pipeline uid: the status last written
+        self.written_at: dict[str, float] = {}  # by pipeline uid: when (loop time)
+        self.held: set[Key] = set()  # pipelines with a progress change waiting to be written
         self.applied = AppliedCache()
         self.passes = 0
         self.errors = 0
@@ -138,6 +145,7 @@ def pipeline_event(event: dict[str, Any], namespace: str, name: str, body: Any, 
     if event.get("type") == "DELETED":
         STATE.pipelines.pop(key, None)
         STATE.written.pop(body["metadata"].get("uid"), None)
+        STATE.written_at.pop(body["metadata"].get("uid"), None)
         return  # children go by garbage collection (owner references)
     STATE.pipelines[key] = _plain(body)
     STATE.queue.add(key)
@@ -165,10 +173,16 @@ async def _work() -> None:
             body = STATE.pipelines.get(key)
             if body is not None and not body["metadata"].get("deletionTimestamp"):
                 uid = body["metadata"]["uid"]
+                loop = asyncio.get_running_loop()
+                write_from = STATE.written_at.get(uid, -PROGRESS_WRITE_SECONDS) + PROGRESS_WRITE_SECONDS
                 outcome = await reconcile(STATE.api, body, children_of(key), last_status=STATE.written.get(uid),
-                                          cache=STATE.applied)
+                                          cache=STATE.applied, hold_progress=loop.time() < write_from)
                 if outcome.status_written:
                     STATE.written[uid] = outcome.status
+                    STATE.written_at[uid] = loop.time()
+                elif outcome.status_held and key not in STATE.held:
+                    STATE.held.add(key)
+                    loop.call_at(write_from, _release_held, key)
                 STATE.passes += 1
                 for ev in outcome.events:
                     await _post_event(body, ev)
@@ -181,6 +195,11 @@ async def _work() -> None:
             log.exception("%s/%s: reconcile failed; retrying on the next resync", *key)
         finally:
             STATE.queue.done(key)
+
+
+def _release_held(key: Key) -> None:
+    STATE.held.discard(key)
+    STATE.queue.add(key)
 
 
 async def _post_event(body: dict[str, Any], ev: Event) -> None:

@@ -29,7 +29,7 @@ from omnifleet_runtime.validate import Problem
 from . import render
 from .checks import check_document
 from .drift import is_subset
-from .status import Event, Observed, compute_status, transition_events
+from .status import Event, Observed, compute_status, decisive, transition_events
 
 log = logging.getLogger("omnifleet.reconcile")
 Obj = dict[str, Any]
@@ -205,18 +205,22 @@ class Outcome:
     applied: int = 0
     deleted: int = 0
     status_written: bool = False
+    status_held: bool = False  # a progress-only change not written yet (hold_progress)
     status: Obj = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
 
 
 async def reconcile(api: Api, body: Obj, children: Children, registered: dict[str, int] | None = None,
-                    last_status: Obj | None = None, cache: AppliedCache | None = None) -> Outcome:
+                    last_status: Obj | None = None, cache: AppliedCache | None = None,
+                    hold_progress: bool = False) -> Outcome:
     """One pass. Writes only what differs; never raises for a bad spec.
 
     `last_status` is the status this operator last wrote for this object: a
     pass that runs before that write comes back through the watch compares
     with it rather than with the older status in `body`, so it neither writes
-    the same status twice nor repeats its events.
+    the same status twice nor repeats its events. With `hold_progress`, a
+    change of progress only (see `status.decisive`) is not written; the
+    caller runs the pass again when it wants it written.
     """
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace", "default"), meta["uid"]
@@ -252,7 +256,9 @@ async def reconcile(api: Api, body: Obj, children: Children, registered: dict[st
         prior=prior, now=now_iso(), apply_error=apply_error, applied=applied,
     )
     outcome.status = status
-    if status != prior:
+    if status != prior and hold_progress and decisive(status) == decisive(prior):
+        outcome.status_held = True
+    elif status != prior:
         await api.write_status(namespace, name, status)
         outcome.status_written = True
         # Events only after the status they describe is stored.

@@ -38,6 +38,9 @@ ALL_READY = "AllStagesReady"
 WARNING_REASONS = {INVALID_SPEC, APPLY_FAILED, CAPACITY_PENDING, REPLICA_FAILURE, PROGRESS_DEADLINE,
                    STAGE_UNAVAILABLE}
 STALLED_REASONS = {INVALID_SPEC, REPLICA_FAILURE, PROGRESS_DEADLINE}
+# The usual steps of a pipeline coming up: shown in status, not worth an Event
+# each (a mass create would post one per pipeline per step).
+QUIET_REASONS = {CREATING, WAITING_FOR_READY}
 
 
 @dataclass(frozen=True)
@@ -299,5 +302,15 @@ def transition_events(old: Obj | None, new: Obj) -> list[Event]:
     reason = after.get("reason", "")
     if after.get("status") == "True":
         return [Event("Normal", "Ready", after.get("message", ""))]
+    if reason in QUIET_REASONS and before.get("status") != "True":
+        return []
     kind = "Warning" if reason in WARNING_REASONS else "Normal"
     return [Event(kind, reason, after.get("message", ""))]
+
+
+def decisive(status: Obj) -> tuple:
+    """What a status change is written for at once: generation, phase, and each
+    condition's status and reason. The rest (messages, per-stage counters) is
+    progress, which may wait a few seconds to be written with the next change."""
+    return (status.get("observedGeneration"), status.get("phase"),
+            tuple((c.get("type"), c.get("status"), c.get("reason")) for c in status.get("conditions") or ()))

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from omnifleet_operator.checks import check_document
-from omnifleet_operator.status import Observed, compute_status, transition_events
+from omnifleet_operator.status import Observed, compute_status, decisive, transition_events
 from omnifleet_runtime.validate import Problem
 
 from ..conftest import REPO
@@ -155,6 +155,26 @@ def test_events_only_on_transitions():
     assert transition_events(ready, ready) == []
     pending = status(Observed(all_ready(), pods=[pod("talker", unschedulable=True)]), prior=ready, now=T1)
     assert [(e.type, e.reason) for e in transition_events(ready, pending)] == [("Warning", "CapacityPending")]
+
+
+def test_coming_up_posts_no_event_per_step_falling_back_does():
+    creating = status(Observed({}))
+    waiting = status(Observed(all_ready(**dict([dep("speech-talker", 2, ready=0)]))), prior=creating, now=T1)
+    assert (cond(creating, "Ready")["reason"], cond(waiting, "Ready")["reason"]) == ("Creating", "WaitingForReady")
+    assert transition_events(None, creating) == [] and transition_events(creating, waiting) == []
+    ready = status(Observed(all_ready()), prior=waiting, now=T1)
+    assert [e.reason for e in transition_events(waiting, ready)] == ["Ready"]
+    fallen = status(Observed(all_ready(**dict([dep("speech-talker", 2, ready=1)]))), prior=ready, now=T1)
+    assert [(e.type, e.reason) for e in transition_events(ready, fallen)] == [("Normal", "WaitingForReady")]
+
+
+def test_progress_alone_is_not_decisive():
+    one = status(Observed(all_ready(**dict([dep("speech-talker", 2, ready=0)]))))
+    two = status(Observed(all_ready(**dict([dep("speech-talker", 2, ready=1)]))), prior=one, now=T1)
+    assert one != two and decisive(one) == decisive(two)  # counters and message only
+    ready = status(Observed(all_ready()), prior=two, now=T1)
+    assert decisive(ready) != decisive(two)
+    assert decisive(status(Observed(all_ready()), prior=ready, generation=2, now=T1)) != decisive(ready)
 
 
 def test_a_pass_that_changed_children_is_not_ready_yet():
