@@ -91,6 +91,7 @@ class State:
         self.written: dict[str, dict[str, Any]] = {}  # by pipeline uid: the status last written
         self.written_at: dict[str, float] = {}  # by pipeline uid: when (loop time)
         self.held: set[Key] = set()  # pipelines with a progress change waiting to be written
+        self.seen: dict[str, tuple] = {}  # by child uid: what of it a pass reads (see _matters)
         self.applied = AppliedCache()
         self.passes = 0
         self.errors = 0
@@ -104,17 +105,54 @@ def _plain(body: Any) -> dict[str, Any]:
     return dict(body)
 
 
+def _spec_fingerprint(body: Any) -> tuple:
+    meta = body["metadata"]
+    # No generation (ConfigMap, Service, ...): any change counts; such objects change rarely.
+    return (meta.get("generation") or meta.get("resourceVersion"), repr(meta.get("labels")),
+            repr(meta.get("annotations")))
+
+
+def _scheduling(body: Any) -> tuple:
+    """All that pipeline status reads of a pod (with its labels, which the index keeps)."""
+    for c in (body.get("status") or {}).get("conditions") or ():
+        if c.get("type") == "PodScheduled":
+            return c.get("status"), c.get("reason")
+    return None, None
+
+
+def _matters(event: dict[str, Any], body: Any, fingerprint: Any) -> bool:
+    """Whether a watch event can change a pass's outcome. Most events of a mass
+    create are status updates nothing reads (PDB and HPA status, pod phases);
+    each would queue its whole pipeline for another pass."""
+    if fingerprint is None:
+        return True
+    uid = body["metadata"].get("uid")
+    if event.get("type") == "DELETED":
+        STATE.seen.pop(uid, None)
+        return True
+    now = fingerprint(body)
+    if STATE.seen.get(uid) == now:
+        return False
+    STATE.seen[uid] = now
+    return True
+
+
 def _register_index(group: str, version: str, plural: str) -> None:
     def index(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
         return {(namespace, labels[C.LABEL_PIPELINE]): _plain(body)}
 
     kopf.index(group, version, plural, labels=OWNED, id=f"{plural}_idx")(index)
 
+    # A Deployment's status is what pipeline status is made of; other kinds
+    # matter only for what they say (their generation) and their labels.
+    fingerprint = None if plural == "deployments" else _spec_fingerprint
+
     def changed(event: dict[str, Any], body: Any, namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
         _capture(kwargs)
         if event.get("type") == "DELETED":
             STATE.applied.forget(object_key(body))
-        STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
+        if _matters(event, body, fingerprint):
+            STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
 
     kopf.on.event(group, version, plural, labels=OWNED, id=f"{plural}_event")(changed)
 
@@ -133,9 +171,10 @@ def pods_idx(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dic
 
 
 @kopf.on.event("", "v1", "pods", labels=OWNED)
-def pods_event(namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
+def pods_event(event: dict[str, Any], body: Any, namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
     _capture(kwargs)
-    STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
+    if _matters(event, body, _scheduling):
+        STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
 
 
 @kopf.on.event(C.GROUP, C.VERSION, C.PLURAL)

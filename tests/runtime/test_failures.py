@@ -107,13 +107,18 @@ def test_lost_replica_before_streaming_is_redispatched(make_fleet):
     assert fleet.metric("omnifleet_redispatches_total", stage="a") == on_victim
 
 
-def test_master_restart_stages_reregister_without_reloading(make_fleet):
+def upper_exclaim_fleet(make_fleet):
+    """Stages a (upper) -> b (exclaim), one pod each, ready; and an openai client."""
     fleet = make_fleet(pipeline(stage("a", "upper"), stage("b", "exclaim", inputs=["a"], finalOutput="text")))
     fleet.start_master()
     fleet.start_pod("pod-a", "a")
     fleet.start_pod("pod-b", "b")
     fleet.wait_ready()
-    client = fleet.openai()
+    return fleet, fleet.openai()
+
+
+def test_master_restart_stages_reregister_without_reloading(make_fleet):
+    fleet, client = upper_exclaim_fleet(make_fleet)
     assert client.completions.create(model="test", prompt="one").choices[0].text == "ONE!"
     loads = (fleet.dir / "loads.log").read_text()
     assert len(loads.splitlines()) == 2  # one engine load per stage process
@@ -217,15 +222,9 @@ def test_a_pause_of_the_whole_fleet_is_no_death(make_fleet):
     """Every process stops for longer than the heartbeat timeout, then all go on (a paused VM, a throttled node).
 
     Each side sees that its own loop stalled and does not count the pause as
-    the other's silence; a lone master or stage that stops that long is lost,
-    as the kill tests show.
+    the other's silence; a lone stage that stops that long is lost (the next test).
     """
-    fleet = make_fleet(pipeline(stage("a", "upper"), stage("b", "exclaim", inputs=["a"], finalOutput="text")))
-    fleet.start_master()
-    fleet.start_pod("pod-a", "a")
-    fleet.start_pod("pod-b", "b")
-    fleet.wait_ready()
-    client = fleet.openai()
+    fleet, client = upper_exclaim_fleet(make_fleet)
     assert client.completions.create(model="test", prompt="before").choices[0].text == "BEFORE!"
 
     procs = list(fleet.procs.values())

@@ -1,0 +1,63 @@
+"""Which watch events of children queue their pipeline for another pass."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from omnifleet_operator import handlers
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    monkeypatch.setattr(handlers, "STATE", handlers.State())
+
+
+def obj(uid="u1", generation=1, labels=None, status=None, rv="1"):
+    return {"metadata": {"uid": uid, "generation": generation, "resourceVersion": rv,
+                         "labels": labels or {"omnifleet.dev/pipeline": "p"}},
+            "status": status or {}}
+
+
+def pod(uid="p1", phase="Pending", scheduled=None):
+    conds = [] if scheduled is None else [{"type": "PodScheduled", "status": scheduled[0], "reason": scheduled[1]}]
+    return {"metadata": {"uid": uid, "resourceVersion": phase}, "status": {"phase": phase, "conditions": conds}}
+
+
+def matters(kind, body, event_type="MODIFIED"):
+    return handlers._matters({"type": event_type}, body, kind)
+
+
+def test_status_updates_of_a_pdb_or_hpa_do_not_queue_a_pass():
+    spec = handlers._spec_fingerprint
+    first = obj(status={"currentHealthy": 0})
+    assert matters(spec, first, "ADDED")
+    assert not matters(spec, obj(status={"currentHealthy": 2}, rv="2"))  # the disruption controller's update
+    assert matters(spec, obj(generation=2, rv="3"))  # someone changed its spec
+    assert matters(spec, obj(generation=2, labels={"omnifleet.dev/pipeline": "p", "x": "y"}, rv="4"))
+    assert matters(spec, obj(generation=2, rv="5"), "DELETED")
+    assert matters(spec, obj(generation=2, rv="6"), "ADDED")  # the same uid seen again starts afresh
+
+
+def test_objects_without_generation_count_every_change():
+    cm = obj()
+    del cm["metadata"]["generation"]
+    assert matters(handlers._spec_fingerprint, cm, "ADDED")
+    changed = copy.deepcopy(cm)
+    changed["metadata"]["resourceVersion"] = "2"
+    assert matters(handlers._spec_fingerprint, changed)
+
+
+def test_deployments_always_queue_their_pipeline():
+    assert all(matters(None, obj(status={"readyReplicas": n})) for n in range(3))
+
+
+def test_pods_queue_a_pass_only_when_their_scheduling_changes():
+    sched = handlers._scheduling
+    assert matters(sched, pod(), "ADDED")
+    assert matters(sched, pod(scheduled=("False", "Unschedulable")))
+    assert not matters(sched, pod(phase="Pending", scheduled=("False", "Unschedulable")))
+    assert matters(sched, pod(scheduled=("True", None)))
+    assert not matters(sched, pod(phase="Running", scheduled=("True", None)))
+    assert matters(sched, pod(phase="Running", scheduled=("True", None)), "DELETED")
