@@ -260,6 +260,8 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> 
         "livenessProbe": http_probe("/health", C.PORT_NAME_HTTP, 10, 6),
         "volumeMounts": [CONFIG_MOUNT],
         "securityContext": CONTAINER_SECURITY,
+        # A crash's last log lines (the reason) show in the pod's status and `kubectl describe`.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     template = {
         "metadata": {
@@ -339,6 +341,8 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
         "livenessProbe": http_probe("/livez", C.PORT_NAME_HEALTH, 10, 6),
         "volumeMounts": mounts,
         "securityContext": CONTAINER_SECURITY,
+        # A stage that cannot load its engine exits with the reason as its last log line.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     node_selector: dict[str, str] = {}
     for s in group:

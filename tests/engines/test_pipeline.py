@@ -402,29 +402,39 @@ def test_throughput_through_the_pipeline_versus_the_engines_directly(fleet, requ
                       "stage_sampling_params": {"thinker": params, "talker": params}}
     fleet.http("POST", "/v1/chat/completions", body(prompts[0]))  # warm
 
-    results: list = [None] * n
+    def through_pipeline() -> tuple[float, list]:
+        results: list = [None] * n
 
-    def call(i: int) -> None:
-        results[i] = fleet.http("POST", "/v1/chat/completions", body(prompts[i]))
+        def call(i: int) -> None:
+            results[i] = fleet.http("POST", "/v1/chat/completions", body(prompts[i]))
 
-    t = time.monotonic()
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    pipeline_s = time.monotonic() - t
-    assert all(r[0] == 200 and len(r[1]["choices"][0]["token_ids"]) == tokens for r in results), results
+        t = time.monotonic()
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        took = time.monotonic() - t
+        assert all(r[0] == 200 and len(r[1]["choices"][0]["token_ids"]) == tokens for r in results), results
+        return took, results
 
-    t = time.monotonic()
-    d1 = direct(fleet, "thinker", prompts, params)
-    d2 = direct(fleet, "talker", [o["text"] for o in d1["outputs"]], params)
-    direct_wall = time.monotonic() - t
-    direct_s = d1["elapsed_s"] + d2["elapsed_s"]
-    assert [o["token_ids"] for o in d2["outputs"]] == [r[1]["choices"][0]["token_ids"] for r in results]
+    # Interleaved rounds, median ratio: this shared machine's speed changes by
+    # several times within a minute, and one sample of each side caught that.
+    rounds = []
+    for _ in range(3):
+        pipeline_s, results = through_pipeline()
+        t = time.monotonic()
+        d1 = direct(fleet, "thinker", prompts, params)
+        d2 = direct(fleet, "talker", [o["text"] for o in d1["outputs"]], params)
+        direct_wall = time.monotonic() - t
+        direct_s = d1["elapsed_s"] + d2["elapsed_s"]
+        assert [o["token_ids"] for o in d2["outputs"]] == [r[1]["choices"][0]["token_ids"] for r in results]
+        rounds.append((direct_s / pipeline_s, pipeline_s, direct_s, direct_wall))
+    ratio, pipeline_s, direct_s, direct_wall = sorted(rounds)[len(rounds) // 2]
     total = 2 * n * tokens
     report(request.config, "pipeline",
-           f"{n} concurrent chats x ({tokens} thinker + {tokens} talker tokens): through the pipeline "
-           f"{total / pipeline_s:.0f} tok/s ({pipeline_s:.2f}s); the same engines called directly "
-           f"{total / direct_s:.0f} tok/s ({direct_s:.2f}s in the engines, {direct_wall:.2f}s with the control "
-           f"round trips); ratio {direct_s / pipeline_s:.2f}")
+           f"{n} concurrent chats x ({tokens} thinker + {tokens} talker tokens), median of {len(rounds)} "
+           f"interleaved rounds: through the pipeline {total / pipeline_s:.0f} tok/s ({pipeline_s:.2f}s); the "
+           f"same engines called directly {total / direct_s:.0f} tok/s ({direct_s:.2f}s in the engines, "
+           f"{direct_wall:.2f}s with the control round trips); ratio {ratio:.2f} (rounds: "
+           + ", ".join(f"{r[0]:.2f}" for r in rounds) + ")")
