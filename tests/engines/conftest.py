@@ -16,3 +16,15 @@ def report(config: pytest.Config, tag: str, msg: str) -> None:
     """Measurements are shown even without -s (capture is suspended for the print)."""
     with config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
         print(f"\n[{tag}] {msg}", flush=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test on the shared engine fleet shows the fleet's own log lines (a module fixture's
+    teardown output would only show with the module's last test)."""
+    outcome = yield
+    rep = outcome.get_result()
+    fleet = getattr(item, "funcargs", {}).get("fleet")
+    if rep.when == "call" and rep.failed and fleet is not None:
+        lines = [line for line in fleet.logs().splitlines() if "omnifleet" in line or "Error" in line]
+        rep.sections.append(("fleet log lines", "\n".join(lines)[-20000:]))
