@@ -26,7 +26,7 @@ from .membership import Membership, Replica
 from .metrics import MasterMetrics
 from .orchestrator import Orchestrator
 from .schema import OmniPipeline
-from .turns import Turns
+from .turns import StallWatch, Turns
 
 DRAIN_POLLS = 1000  # about a second of reading before a closed connection is acted on
 
@@ -149,12 +149,10 @@ class Master:
 
     async def _heartbeat_loop(self) -> None:
         beat = wire.MasterHeartbeat(self.master_id)
-        last_tick = time.monotonic()
+        watch = StallWatch(C.HEARTBEAT_INTERVAL_S)
         while True:
             now = time.monotonic()
-            stall = now - last_tick - C.HEARTBEAT_INTERVAL_S
-            last_tick = now
-            if stall > C.HEARTBEAT_INTERVAL_S:
+            if stall := watch.stall(now):
                 # Whatever froze this process (CPU starvation, a paused VM, a
                 # throttled pod) may have frozen the replicas too, and their
                 # beats may sit unread in the socket: the stall is not their silence.

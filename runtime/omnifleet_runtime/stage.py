@@ -39,7 +39,7 @@ from . import constants as C
 from . import shm, wire
 from .engines import Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .schema import OmniPipeline
-from .turns import Turns
+from .turns import StallWatch, Turns
 
 log = logging.getLogger("omnifleet.stage")
 
@@ -251,16 +251,13 @@ class StageWorker:
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        last_seen = next_beat = last_tick = time.monotonic()
+        last_seen = next_beat = time.monotonic()
+        watch = StallWatch(C.HEARTBEAT_INTERVAL_S)  # this loop wakes at least once per interval
         while True:
             now = time.monotonic()
-            # This loop wakes at least once per interval; a longer gap is a stall
-            # of this process (or of the whole machine), not the master's silence.
-            stall = now - last_tick - C.HEARTBEAT_INTERVAL_S
-            if stall > C.HEARTBEAT_INTERVAL_S:
+            if stall := watch.stall(now):
                 log.warning("this stage's event loop stalled for %.1fs", stall)
                 last_seen += stall
-            last_tick = now
             if now >= next_beat:
                 await self._send_master(self._heartbeat(), block=False)
                 next_beat = now + C.HEARTBEAT_INTERVAL_S

@@ -1,4 +1,5 @@
-"""Fair turns for loops whose awaits can all complete at once.
+"""Fair turns for loops whose awaits can all complete at once, and stall
+detection for loops that wake on a fixed interval.
 
 pyzmq's asyncio sockets hand back an already-finished future when a message
 is queued (and a send that fits in the queue finishes at once), and awaiting a
@@ -29,3 +30,20 @@ class Turns:
         if now >= self.next:
             self.next = now + TURN_S
             await asyncio.sleep(0)
+
+
+class StallWatch:
+    """For a loop that wakes at least once per `interval_s`: how long the last
+    gap overran it, when by more than one interval (a stall of this process,
+    or of the whole machine), else 0. A stall is not a peer's silence."""
+
+    __slots__ = ("interval_s", "last")
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last = time.monotonic()
+
+    def stall(self, now: float) -> float:
+        over = now - self.last - self.interval_s
+        self.last = now
+        return over if over > self.interval_s else 0.0
