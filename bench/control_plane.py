@@ -703,25 +703,30 @@ def plots(results: list[dict], stamp: str, out_dir: Path, suffix: str = "") -> l
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", **kw)
 
+    def log_log(ax) -> None:  # growth with N: log-log once there are several N
+        if len(ns) > 1:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+
+    def save(fig, kind: str) -> None:
+        fig.tight_layout()
+        names.append(f"{stamp}-control-plane{suffix}-{kind}.png")
+        fig.savefig(out_dir / names[-1], dpi=110)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     plot_line(ax, ns, series("operator", "t_children_s"), label="operator: all children exist")
     plot_line(ax, ns, series("direct", "t_children_s"), label="direct SSA client: all children exist", ls="--")
     plot_line(ax, ns, series("operator", "t_ready_s"), label="operator: all pipelines Ready")
     plot_line(ax, ns, series("operator", "t_deployments_ready_s"), label="operator run: all Deployments ready")
     plot_line(ax, ns, series("direct", "t_deployments_ready_s"), label="direct run: all Deployments ready", ls="--")
-    if len(ns) > 1:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+    log_log(ax)
     ax.set_xlabel("pipelines applied at once (N)")
     ax.set_ylabel("seconds from the first apply (median of clean rounds)")
     ax.set_title("Control plane: time vs N")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    name = f"{stamp}-control-plane{suffix}-time.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    names.append(name)
+    save(fig, "time")
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     plot_line(a1, ns, series("operator", "op_peak_rss_mib"), label="peak RSS (VmHWM)")
@@ -738,16 +743,10 @@ def plots(results: list[dict], stamp: str, out_dir: Path, suffix: str = "") -> l
     a2.set_ylabel("CPU seconds")
     a2.set_title("CPU seconds, apply -> all Ready (operator run)")
     for a in (a1, a2):
-        if len(ns) > 1:
-            a.set_xscale("log")
-            a.set_yscale("log")
+        log_log(a)
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=7)
-    fig.tight_layout()
-    name = f"{stamp}-control-plane{suffix}-resources.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    names.append(name)
+    save(fig, "resources")
 
     big = next((r for r in headline_rounds(results, ns[-1])[0] if (r.get("operator") or {}).get("timeline")),
                None) if ns else None
@@ -784,11 +783,7 @@ def plots(results: list[dict], stamp: str, out_dir: Path, suffix: str = "") -> l
         h1, l1 = a2.get_legend_handles_labels()
         h2, l2 = a3.get_legend_handles_labels()
         a2.legend(h1 + h2, l1 + l2, fontsize=7)
-        fig.tight_layout()
-        name = f"{stamp}-control-plane{suffix}-timeline.png"
-        fig.savefig(out_dir / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
+        save(fig, "timeline")
     return names
 
 
