@@ -1,7 +1,15 @@
-"""All checks of a pipeline document: the schema's and the operator's own (object names)."""
+"""All checks of a pipeline document: the schema's, the operator's own (object names), and,
+for the CLI only, that the callables it names exist.
+
+The operator never imports user code; `omnifleet validate` does, where the
+code is installed, so a sample or a file naming a function that does not
+exist fails before it reaches a cluster.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from typing import Any
 
 from omnifleet_runtime.schema import OmniPipeline
@@ -16,3 +24,41 @@ def check_document(doc: Any) -> tuple[OmniPipeline | None, list[Problem]]:
     if parsed is not None:
         problems = problems + check_names(parsed)
     return (None if problems else parsed), problems
+
+
+def check_callables(doc: OmniPipeline) -> tuple[list[Problem], list[str]]:
+    """Import every entrypoint and input processor the pipeline names.
+
+    Returns the problems (a module that exists without the callable, or a
+    callable that is not callable) and, as plain lines, what could not be
+    checked here (a module that is not installed, or fails to import).
+    """
+    problems: list[Problem] = []
+    unchecked: list[str] = []
+    for i, stage in enumerate(doc.spec.stages):
+        for field, ref in (("entrypoint", stage.entrypoint), ("inputProcessor", stage.input_processor)):
+            if not ref:
+                continue
+            path = f"spec.stages[{i}].{field}"
+            module_name, _, attr = ref.partition(":")
+            try:
+                found = importlib.util.find_spec(module_name)
+            except (ImportError, ValueError):
+                found = None
+            if found is None:
+                unchecked.append(f"{path}: {ref} (module {module_name!r} is not installed here)")
+                continue
+            try:
+                obj: Any = importlib.import_module(module_name)
+            except Exception as e:  # noqa: BLE001 - any import failure means "cannot check here"
+                unchecked.append(f"{path}: {ref} (importing {module_name!r} failed: {type(e).__name__}: {e})")
+                continue
+            for part in attr.split("."):
+                if not hasattr(obj, part):
+                    problems.append(Problem(path, f"{module_name!r} has no {attr!r}"))
+                    break
+                obj = getattr(obj, part)
+            else:
+                if not callable(obj):
+                    problems.append(Problem(path, f"{ref} is not callable"))
+    return problems, unchecked

@@ -10,11 +10,12 @@ from typing import Any
 
 import yaml
 
-from .checks import check_document
+from .checks import check_callables, check_document
 
 USAGE = """omnifleet COMMAND [ARGS]
 
-  validate -f FILE     check pipeline files; every problem with its field path
+  validate -f FILE     check pipeline files; every problem with its field path, and that the
+                       entrypoints and input processors they name exist (where installed)
   render -f FILE       print the Kubernetes objects the operator would apply
   crd [-o FILE]        print (or write) the generated CustomResourceDefinition
   operator [ARGS]      run the operator (kopf) against the current kubeconfig
@@ -42,6 +43,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in args.file:
         for label, doc in load_documents(path):
             parsed, problems = check_document(doc)
+            unchecked: list[str] = []
+            if parsed is not None and not args.no_import:
+                problems, unchecked = check_callables(parsed)
             if problems:
                 failed += 1
                 print(f"{label}: invalid, {len(problems)} problem(s)", file=sys.stderr)
@@ -51,6 +55,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 s = parsed.spec
                 print(f"{label}: valid: pipeline {parsed.metadata.name!r}, {len(s.stages)} stage(s), "
                       f"{len(s.hosts())} pod group(s)")
+                for line in unchecked:
+                    print(f"  not checked: {line}")
     return 1 if failed else 0
 
 
@@ -112,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("validate")
     p.add_argument("-f", "--file", action="append", required=True, help="pipeline file (repeatable, '-' for stdin)")
+    p.add_argument("--no-import", action="store_true",
+                   help="do not import the entrypoints and input processors to check that they exist")
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("render")
     p.add_argument("-f", "--file", required=True)

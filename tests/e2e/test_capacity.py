@@ -10,7 +10,7 @@ from .kube import LABEL_PIPELINE, Kube, condition, pipeline_doc, wait_for, with_
 
 def test_capacity_pending_until_a_node_fits(kube: Kube, operator, cluster, ns: str):
     doc = pipeline_doc("huge", [
-        {"name": "prep", "type": "python", "entrypoint": "omnifleet_runtime.processors:passthrough", "gpus": 0},
+        {"name": "prep", "type": "python", "entrypoint": "omnifleet_runtime.stock:passthrough", "gpus": 0},
         {"name": "big", "type": "llm", "gpus": 16, "replicas": 1, "inputs": ["prep"], "finalOutput": "text"},
     ])
     kube.apply(with_namespace(doc, ns))

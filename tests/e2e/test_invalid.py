@@ -16,7 +16,7 @@ from .kube import (
     wait_for, with_namespace,
 )
 
-PY = "omnifleet_runtime.processors:passthrough"
+PY = "omnifleet_runtime.stock:passthrough"
 
 
 def _base() -> dict:

@@ -124,7 +124,7 @@ def test_autoscaled_stage_replicas_belong_to_the_hpa(kube: Kube, operator, clust
 def _grow_doc() -> dict:
     return pipeline_doc("grow", [
         {"name": "front", "type": "llm", "gpus": 1, "replicas": 1, "finalOutput": "text"},
-        {"name": "back", "type": "python", "entrypoint": "omnifleet_runtime.processors:passthrough", "gpus": 0,
+        {"name": "back", "type": "python", "entrypoint": "omnifleet_runtime.stock:passthrough", "gpus": 0,
          "inputs": ["front"], "finalOutput": "text", "autoscaling": {"minReplicas": 1, "maxReplicas": 3}},
     ])
 
