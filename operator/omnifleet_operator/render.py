@@ -15,7 +15,7 @@ import yaml
 
 from omnifleet_runtime import constants as C
 from omnifleet_runtime.config import ROUTING_FIELDS
-from omnifleet_runtime.schema import EnvVar, OmniPipeline, Resources, Toleration
+from omnifleet_runtime.schema import EnvVar, OmniPipeline, Resources, Toleration, Volume, VolumeMount
 from omnifleet_runtime.validate import dump, resolve
 
 from . import names, quantity
@@ -134,6 +134,7 @@ POD_SECURITY = {
 }
 CONTAINER_SECURITY = {
     "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
+    "readOnlyRootFilesystem": True,  # writes go to the emptyDirs below: /tmp (caches, HOME) and /dev/shm
     "seccompProfile": {"type": "RuntimeDefault"},
 }
 DOWNWARD_ENV = [
@@ -183,6 +184,24 @@ def config_volume(doc: OmniPipeline) -> Obj:
 
 
 CONFIG_MOUNT = {"name": "config", "mountPath": C.CONFIG_DIR, "readOnly": True}
+TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
+TMP_MOUNT = {"name": "tmp", "mountPath": C.TMP_DIR}
+
+
+def user_volumes(*groups: list[Volume]) -> list[Obj]:
+    out: dict[str, Obj] = {}
+    for group in groups:
+        for v in group:
+            out.setdefault(v.name, v.model_dump(by_alias=True, exclude_none=True))
+    return list(out.values())
+
+
+def user_mounts(*groups: list[VolumeMount]) -> list[Obj]:
+    out: dict[str, Obj] = {}
+    for group in groups:
+        for m in group:
+            out.setdefault(m.mount_path, m.model_dump(by_alias=True, exclude_none=True))
+    return list(out.values())
 
 
 def http_probe(path: str, port: str, period: int, failures: int) -> Obj:
@@ -258,7 +277,7 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> 
         "startupProbe": http_probe("/health", C.PORT_NAME_HTTP, 2, 60),
         "readinessProbe": http_probe("/health", C.PORT_NAME_HTTP, 5, 3),
         "livenessProbe": http_probe("/health", C.PORT_NAME_HTTP, 10, 6),
-        "volumeMounts": [CONFIG_MOUNT],
+        "volumeMounts": [CONFIG_MOUNT, TMP_MOUNT, *user_mounts(m.volume_mounts)],
         "securityContext": CONTAINER_SECURITY,
         # A crash's last log lines (the reason) show in the pod's status and `kubectl describe`.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -268,7 +287,8 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> 
             "labels": labels(doc, C.COMPONENT_MASTER),
             "annotations": {C.ANNOTATION_CONFIG_HASH: stable_hash(master_view(doc))},
         },
-        "spec": pod_spec(doc, container, [config_volume(doc)], MASTER_GRACE_SECONDS,
+        "spec": pod_spec(doc, container, [config_volume(doc), TMP_VOLUME, *user_volumes(m.volumes)],
+                         MASTER_GRACE_SECONDS,
                          node_selector=m.node_selector, tolerations=tolerations_list(m.tolerations),
                          affinity=None),
     }
@@ -316,9 +336,9 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
              for i in range(len(group))]
     ports.append({"name": C.PORT_NAME_HEALTH, "containerPort": C.STAGE_HEALTH_PORT, "protocol": "TCP"})
     pod_ip = {"name": C.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    mounts = [CONFIG_MOUNT, {"name": "dshm", "mountPath": C.SHM_DIR}]
+    mounts = [CONFIG_MOUNT, TMP_MOUNT, {"name": "dshm", "mountPath": C.SHM_DIR}]
     shm = quantity.add(*(s.shm_size for s in group))
-    volumes = [config_volume(doc), {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    volumes = [config_volume(doc), TMP_VOLUME, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
     mv = doc.spec.model_volume
     if mv:
         mount = {"name": "models", "mountPath": C.MODEL_DIR, "readOnly": True}
@@ -327,6 +347,8 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
         mounts.append(mount)
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": mv.claim_name, "readOnly": True}}
                        if mv.claim_name else {"name": "models", "hostPath": {"path": mv.host_path, "type": "Directory"}})
+    volumes += user_volumes(*(s.volumes for s in group))
+    mounts += user_mounts(*(s.volume_mounts for s in group))
     container = {
         "name": "stage",
         "image": h.image,

@@ -30,11 +30,15 @@ CONFIG_FILE = "pipeline.yaml"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 MODEL_DIR = "/models"
 SHM_DIR = "/dev/shm"
+TMP_DIR = "/tmp"  # an emptyDir: the root filesystem is read-only
 
 # Wire protocol version; a stage whose version differs is refused at registration.
 PROTOCOL_VERSION = 1
 
-DEFAULT_IMAGE = "ghcr.io/omnifleet/omnifleet:0.1.0"
+# The project's version (pyproject.toml's; a unit test keeps them equal) names the images.
+VERSION = "0.1.0"
+DEFAULT_IMAGE = f"ghcr.io/omnifleet/omnifleet:{VERSION}"  # runtime/Dockerfile: master and stage pods
+OPERATOR_IMAGE = f"ghcr.io/omnifleet/omnifleet-operator:{VERSION}"  # operator/Dockerfile
 FIELD_MANAGER = "omnifleet"
 
 # Label and annotation keys.

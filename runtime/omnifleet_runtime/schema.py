@@ -132,6 +132,45 @@ class ModelVolume(Model):
     )
 
 
+# Volume sources a pipeline may mount: those Pod Security "restricted" admits (no hostPath).
+VOLUME_SOURCES = ("configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected",
+                  "downwardAPI", "csi", "ephemeral")
+# Names and paths the operator's own volumes use in every pod.
+RESERVED_VOLUMES = ("config", "dshm", "models", "tmp")
+RESERVED_MOUNT_PATHS = (C.CONFIG_DIR, C.SHM_DIR, C.MODEL_DIR, C.TMP_DIR)
+
+
+class Volume(Model):
+    """A pod volume (a core/v1 Volume with one of the sources below), e.g. user code from a ConfigMap."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (" + ".join(f"(has(self.{v}) ? 1 : 0)" for v in VOLUME_SOURCES) + " == 1",
+             "set exactly one volume source: " + ", ".join(VOLUME_SOURCES)),
+        )
+    )
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63, description="Volume name, unique in the pod.")
+    config_map: FreeForm | None = Field(None, description="A core/v1 ConfigMapVolumeSource.")
+    secret: FreeForm | None = Field(None, description="A core/v1 SecretVolumeSource.")
+    empty_dir: FreeForm | None = Field(None, description="A core/v1 EmptyDirVolumeSource.")
+    persistent_volume_claim: FreeForm | None = Field(None, description="A core/v1 PersistentVolumeClaimVolumeSource.")
+    projected: FreeForm | None = Field(None, description="A core/v1 ProjectedVolumeSource.")
+    downward_api: FreeForm | None = Field(
+        None, alias="downwardAPI", description="A core/v1 DownwardAPIVolumeSource.")
+    csi: FreeForm | None = Field(None, description="A core/v1 CSIVolumeSource.")
+    ephemeral: FreeForm | None = Field(None, description="A core/v1 EphemeralVolumeSource.")
+
+
+class VolumeMount(Model):
+    """Where a volume of `volumes` is mounted in the container."""
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63, description="Name of a volume in `volumes`.")
+    mount_path: str = Field(pattern=r"^/", max_length=4096, description="Absolute path in the container.")
+    read_only: bool | None = Field(None, description="Mount read-only. Default: false.")
+    sub_path: str | None = Field(None, max_length=4096, description="Path inside the volume to mount instead of its root.")
+
+
 class Autoscaling(Model):
     """Let an autoscaler own a stage's replica count (an autoscaling/v2 HPA is rendered)."""
 
@@ -161,6 +200,9 @@ class Master(Model):
     api_port: int = Field(C.MASTER_API_PORT, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
     service_type: ServiceType = Field("ClusterIP", description="Type of the master Service.")
     env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
+    volumes: list[Volume] = Field(default_factory=list, max_length=32, description="Extra pod volumes.")
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, max_length=32, description="Mounts of `volumes` in the master container.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the master pod must match.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Tolerations of the master pod.")
 
@@ -227,6 +269,13 @@ class Stage(Model):
     )
     resources: Resources = Field(default_factory=Resources, description="Container resources (besides GPUs).")
     env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
+    volumes: list[Volume] = Field(
+        default_factory=list, max_length=32,
+        description="Extra pod volumes, e.g. a ConfigMap holding the code of a python stage "
+        "(mount it and put its path on PYTHONPATH through env).")
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, max_length=32,
+        description="Mounts of this stage's `volumes` (of its host's and its own, for a co-located stage).")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels this stage's pods must match.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Tolerations of this stage's pods.")
     affinity: FreeForm | None = Field(None, description="A Kubernetes Affinity for this stage's pods.")

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import pydantic
 
-from .schema import OmniPipeline, PipelineSpec
+from .schema import RESERVED_MOUNT_PATHS, RESERVED_VOLUMES, VOLUME_SOURCES, OmniPipeline, PipelineSpec
 
 
 @dataclass(frozen=True, order=True)
@@ -119,6 +119,13 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
             elif s.image is not None and s.image != (spec.stages[index[host]].image or spec.image):
                 add(f"{at}.image", f"a co-located stage runs in the container of {host!r} and uses its image")
 
+    _check_volumes("master", spec.master.volumes, spec.master.volume_mounts, add)
+    for host in spec.hosts():
+        group = [(index[s.name], s) for s in spec.stages if s.name == host.name or s.colocate_with == host.name]
+        pod_volumes = [(f"stages[{i}].volumes[{j}]", v) for i, s in group for j, v in enumerate(s.volumes)]
+        for i, s in group:
+            _check_volumes(f"stages[{i}]", s.volumes, s.volume_mounts, add, pod_volumes)
+
     mv = spec.model_volume
     if mv is not None and (mv.claim_name is None) == (mv.host_path is None):
         add("modelVolume", "set exactly one of claimName or hostPath")
@@ -149,6 +156,40 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
                 f"{sum(numeric.values()):.2f} > 1.0",
             )
     return sorted(set(problems))
+
+
+def _check_volumes(at: str, volumes, mounts, add, pod_volumes=None) -> None:
+    """Names unique in the pod and not the operator's own; one source each; mounts name a volume of the pod."""
+    pod_volumes = pod_volumes if pod_volumes is not None else [(f"{at}.volumes[{j}]", v) for j, v in enumerate(volumes)]
+    seen: dict[str, str] = {}
+    for path, v in pod_volumes:
+        if v.name in seen and seen[v.name] != path and path.startswith(at + "."):
+            add(f"{path}.name", f"duplicate volume name {v.name!r} in the pod (also {seen[v.name]})")
+        seen.setdefault(v.name, path)
+    for j, v in enumerate(volumes):
+        if v.name in RESERVED_VOLUMES:
+            add(f"{at}.volumes[{j}].name", f"{v.name!r} is a volume the operator mounts itself "
+                f"(reserved: {', '.join(RESERVED_VOLUMES)})")
+        sources = [k for k in VOLUME_SOURCES if getattr(v, _snake(k)) is not None]
+        if len(sources) != 1:
+            add(f"{at}.volumes[{j}]", f"set exactly one volume source ({', '.join(VOLUME_SOURCES)}); "
+                f"found {sources or 'none'}")
+    paths: dict[str, int] = {}
+    for j, m in enumerate(mounts):
+        if m.name not in seen:
+            add(f"{at}.volumeMounts[{j}].name", f"no volume named {m.name!r} in this pod")
+        clean = m.mount_path.rstrip("/") or "/"
+        for r in RESERVED_MOUNT_PATHS:
+            if clean == r or clean.startswith(r + "/") or r.startswith(clean + "/") or clean == "/":
+                add(f"{at}.volumeMounts[{j}].mountPath", f"{m.mount_path!r} overlaps {r}, which the operator mounts")
+                break
+        if clean in paths:
+            add(f"{at}.volumeMounts[{j}].mountPath", f"also mounted by volumeMounts[{paths[clean]}]")
+        paths.setdefault(clean, j)
+
+
+def _snake(camel: str) -> str:
+    return {"downwardAPI": "downward_api"}.get(camel) or "".join("_" + c.lower() if c.isupper() else c for c in camel)
 
 
 def _find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
