@@ -113,11 +113,19 @@ def _spec_fingerprint(body: Any) -> tuple:
 
 
 def _scheduling(body: Any) -> tuple:
-    """All that pipeline status reads of a pod (with its labels, which the index keeps)."""
+    """All that pipeline status reads of a pod (with its labels, which the index keeps):
+    its scheduling, and why its containers last failed."""
+    scheduled = (None, None)
     for c in (body.get("status") or {}).get("conditions") or ():
         if c.get("type") == "PodScheduled":
-            return c.get("status"), c.get("reason")
-    return None, None
+            scheduled = (c.get("status"), c.get("reason"))
+    return scheduled + tuple(_failure(cs) for cs in (body.get("status") or {}).get("containerStatuses") or ())
+
+
+def _failure(cs: dict[str, Any]) -> tuple:
+    waiting = (cs.get("state") or {}).get("waiting") or {}
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    return waiting.get("reason"), last.get("exitCode"), last.get("message")
 
 
 def _matters(event: dict[str, Any], body: Any, fingerprint: Any) -> bool:
@@ -163,10 +171,13 @@ for _g, _v, _p in CHILD_RESOURCES:
 
 @kopf.index("", "v1", "pods", labels=OWNED)
 def pods_idx(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
-    # Only what status needs: a pod's stage and its scheduling condition.
+    # Only what status needs: a pod's stage, its scheduling condition, and why its containers failed.
+    st = body.get("status") or {}
     return {(namespace, labels[C.LABEL_PIPELINE]): {
         "metadata": {"name": body["metadata"]["name"], "labels": dict(labels)},
-        "status": {"conditions": list((body.get("status") or {}).get("conditions") or [])},
+        "status": {"conditions": list(st.get("conditions") or []),
+                   "containerStatuses": [{k: cs.get(k) for k in ("name", "state", "lastState", "restartCount")}
+                                         for cs in st.get("containerStatuses") or []]},
     }}
 
 

@@ -33,10 +33,14 @@ SCALED_TO_ZERO = "ScaledToZero"
 REPLICA_FAILURE = "ReplicaFailure"
 PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 STAGE_UNAVAILABLE = "StageUnavailable"
+CONTAINER_FAILING = "ContainerFailing"
 ALL_READY = "AllStagesReady"
 
 WARNING_REASONS = {INVALID_SPEC, APPLY_FAILED, CAPACITY_PENDING, REPLICA_FAILURE, PROGRESS_DEADLINE,
-                   STAGE_UNAVAILABLE}
+                   STAGE_UNAVAILABLE, CONTAINER_FAILING}
+# Container states that will not fix themselves without a change (or keep failing meanwhile).
+FAILING_WAITING = {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+                   "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
 STALLED_REASONS = {INVALID_SPEC, REPLICA_FAILURE, PROGRESS_DEADLINE}
 # The usual steps of a pipeline coming up: shown in status, not worth an Event
 # each (a mass create would post one per pipeline per step).
@@ -72,15 +76,40 @@ def _cond(dep: Obj, ctype: str) -> Obj | None:
     return None
 
 
-def _unschedulable(pods: list[Obj], view: "StageView") -> list[Obj]:
+def _pods_of(pods: list[Obj], view: "StageView") -> list[Obj]:
     out = []
     for pod in pods:
         lbls = pod.get("metadata", {}).get("labels") or {}
         if view.name == "master":
-            if lbls.get(C.LABEL_OF_COMPONENT) != C.COMPONENT_MASTER:
-                continue
-        elif lbls.get(C.LABEL_STAGE) != view.name:
+            if lbls.get(C.LABEL_OF_COMPONENT) == C.COMPONENT_MASTER:
+                out.append(pod)
+        elif lbls.get(C.LABEL_STAGE) == view.name:
+            out.append(pod)
+    return out
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def container_failure(pod: Obj) -> str | None:
+    """Why a pod's container keeps failing, from its state and its termination message; None if it is not."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        if waiting.get("reason") not in FAILING_WAITING:
             continue
+        if last:
+            why = _last_line(last.get("message", "")) or last.get("reason") or "no message"
+            return f"{waiting['reason']}: exited {last.get('exitCode')}: {why}"
+        return f"{waiting['reason']}: {_last_line(waiting.get('message', '')) or 'no message'}"
+    return None
+
+
+def _unschedulable(pods: list[Obj], view: "StageView") -> list[Obj]:
+    out = []
+    for pod in _pods_of(pods, view):
         for c in (pod.get("status") or {}).get("conditions") or []:
             if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
                 out.append(c)
@@ -150,6 +179,20 @@ def check_failures(views: list[StageView], observed: Observed) -> Verdict | None
     return None
 
 
+def check_containers(views: list[StageView], observed: Observed) -> Verdict | None:
+    """A container that crashes or cannot start, with the reason it gave (its termination message)."""
+    failing = []
+    for v in views:
+        for pod in _pods_of(observed.pods, v):
+            why = container_failure(pod)
+            if why:
+                failing.append(f"{'' if v.name == 'master' else 'stage '}{v.name}: pod {pod['metadata']['name']}: {why}")
+                break
+    if failing:
+        return Verdict(CONTAINER_FAILING, "; ".join(failing))
+    return None
+
+
 def check_capacity(views: list[StageView], observed: Observed) -> Verdict | None:
     pending = []
     for v in views:
@@ -179,7 +222,7 @@ def check_rollout(views: list[StageView], observed: Observed) -> Verdict | None:
     return None
 
 
-CHECKS = (check_failures, check_capacity, check_rollout)
+CHECKS = (check_failures, check_containers, check_capacity, check_rollout)
 
 
 # -- status -------------------------------------------------------------------

@@ -186,3 +186,32 @@ def test_a_pass_that_changed_children_is_not_ready_yet():
     assert (ready["status"], ready["reason"]) == ("False", "RollingOut")
     assert "Deployment/speech-thinker" in ready["message"]
     assert changed["observedGeneration"] == 2
+
+
+def crashing_pod(stage, message):
+    p = pod(stage)
+    p["status"]["containerStatuses"] = [{
+        "name": "stage", "restartCount": 3,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message}},
+    }]
+    return p
+
+
+def test_a_crashing_stage_is_named_with_the_reason_from_its_termination_message():
+    log_tail = ("INFO loading engine\nstage talker failed to start: the model /models/nope does not exist\n")
+    observed = Observed(deployments=all_ready(**dict([dep("speech-talker", 2, ready=1)])),
+                        pods=[crashing_pod("talker", log_tail), pod("thinker")])
+    st = status(observed)
+    ready = cond(st, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ContainerFailing")
+    assert ready["message"] == ("stage talker: pod talker-x: CrashLoopBackOff: exited 1: "
+                                "stage talker failed to start: the model /models/nope does not exist")
+    assert transition_events(None, st)[0].type == "Warning"
+
+
+def test_a_pod_that_restarted_once_and_runs_is_not_failing():
+    p = crashing_pod("talker", "boom")
+    p["status"]["containerStatuses"][0]["state"] = {"running": {"startedAt": T0}}
+    st = status(Observed(deployments=all_ready(), pods=[p]))
+    assert cond(st, "Ready")["status"] == "True"
