@@ -36,9 +36,9 @@ TMP_DIR = "/tmp"  # an emptyDir: the root filesystem is read-only
 PROTOCOL_VERSION = 1
 
 # The project's version (pyproject.toml's; a unit test keeps them equal) names the images.
-VERSION = "0.1.0"
-DEFAULT_IMAGE = f"ghcr.io/omnifleet/omnifleet:{VERSION}"  # runtime/Dockerfile: master and stage pods
-OPERATOR_IMAGE = f"ghcr.io/omnifleet/omnifleet-operator:{VERSION}"  # operator/Dockerfile
+PROJECT_VERSION = "0.1.0"
+DEFAULT_IMAGE = f"ghcr.io/omnifleet/omnifleet:{PROJECT_VERSION}"  # runtime/Dockerfile: master and stage pods
+OPERATOR_IMAGE = f"ghcr.io/omnifleet/omnifleet-operator:{PROJECT_VERSION}"  # operator/Dockerfile
 FIELD_MANAGER = "omnifleet"
 
 # Label and annotation keys.
