@@ -320,6 +320,8 @@ def main(argv: list[str]) -> int:
     if not args.verbose:  # else one line per request and per handler call
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # kopf would name itself after the user, and a container's uid need not have a passwd entry.
+    identity = os.environ.get(C.ENV_POD_NAME) or socket.gethostname()
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness)
+             liveness_endpoint=args.liveness, identity=identity)
     return 0
