@@ -31,11 +31,19 @@ KUBERNETES = "v1.36.3"  # released with Go 1.26, the pair of kwok v0.8.0
 ETCD = "v3.6.16"  # kube-apiserver 1.34+ needs etcd 3.6 (watch progress requests)
 KWOK = "v0.8.0"
 CLI_UTILS = "v0.37.2"  # sigs.k8s.io/cli-utils, for the kstatus helper
+COREDNS = "v1.12.4"
+# The NetworkPolicy enforcer of the real node. kube-network-policies (kubernetes-sigs)
+# queues packets with nftables' `queue` expression, which these machines' kernel lacks
+# (CONFIG_NFT_QUEUE is off); kube-router's firewall needs only iptables and ipset.
+KUBE_ROUTER = "v2.1.0"
 
 VERSIONS_KEY = f"k8s-{KUBERNETES}_etcd-{ETCD}_kwok-{KWOK}"
 
-KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-COMPONENTS = ("etcd", *KUBE_COMMANDS, "kwok", "kstatus")
+KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet", "kube-proxy")
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "kstatus")
+# The real worker node: kubelet, kube-proxy, cluster DNS, NetworkPolicy, the pod sandbox.
+NODE = ("kubelet", "kube-proxy", "coredns", "kube-router", "pause")
+COMPONENTS = (*CONTROL_PLANE, *NODE)
 
 # kwok applies no default stages by itself; these are passed to it via --config.
 KWOK_STAGES = (
@@ -169,7 +177,8 @@ def _build_etcd(src: Path, log: Path) -> None:
 
 def _kube_module(src: Path, log: Path) -> str:
     """Write the k8s.io/kubernetes wrapper module; return its -ldflags."""
-    if (src / "go.sum").exists() and (src / ".ldflags").exists():
+    tools = "\n".join(KUBE_COMMANDS)
+    if (src / "go.sum").exists() and (src / ".ldflags").exists() and _read(src / ".tools") == tools:
         return (src / ".ldflags").read_text()
     src.parent.mkdir(parents=True, exist_ok=True)
     info = _download_json("kubernetes", f"k8s.io/kubernetes@{KUBERNETES}", src.parent, log)
@@ -211,7 +220,15 @@ def _kube_module(src: Path, log: Path) -> str:
         for k, v in stamps.items()
     )
     (src / ".ldflags").write_text(ldflags)
+    (src / ".tools").write_text(tools)
     return ldflags
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _build_kube(name: str):
@@ -254,17 +271,97 @@ def _build_kstatus(src: Path, log: Path) -> None:
     _go("kstatus", ["build", *BUILD_FLAGS, "-ldflags=-s -w", "-o", str(bin_dir() / "kstatus"), "."], src, log)
 
 
+COREDNS_MAIN = """\
+// CoreDNS with only the plugins the dev cluster uses: the full build pulls about
+// 1.2 GB of cloud SDK modules for plugins such as route53 and clouddns.
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/ready"
+	_ "github.com/coredns/coredns/plugin/template"
+)
+
+// The same relative order as CoreDNS's own plugin.cfg.
+func init() {
+	dnsserver.Directives = []string{"bind", "ready", "health", "errors", "cache", "template", "kubernetes"}
+}
+
+func main() { coremain.Run() }
+"""
+
+PAUSE_MAIN = """\
+// pause: the pod sandbox's process (what registry.k8s.io/pause is). It sleeps,
+// reaps orphans (it is PID 1 of the pod) and exits on SIGINT or SIGTERM.
+package main
+
+import (
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGCHLD)
+	for s := range sigs {
+		if s != syscall.SIGCHLD {
+			os.Exit(0)
+		}
+		for {
+			var ws syscall.WaitStatus
+			if pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil); pid <= 0 || err != nil {
+				break
+			}
+		}
+	}
+}
+"""
+
+
+def _build_coredns(src: Path, log: Path) -> None:
+    _write_module(src, f"module omnifleet.local/coredns\n\ngo 1.26\n\nrequire github.com/coredns/coredns {COREDNS}\n")
+    (src / "main.go").write_text(COREDNS_MAIN)
+    _go("coredns", ["mod", "tidy"], src, log)
+    _go("coredns", ["build", *BUILD_FLAGS, "-ldflags=-s -w", "-o", str(bin_dir() / "coredns"), "."], src, log)
+
+
+def _build_kube_router(src: Path, log: Path) -> None:
+    pkg = "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"
+    _write_module(src, f"module omnifleet.local/kube-router\n\ngo 1.26\n\n"
+                       f"require github.com/cloudnativelabs/kube-router/v2 {KUBE_ROUTER}\n\ntool {pkg}\n")
+    _go("kube-router", ["mod", "tidy"], src, log)
+    _go("kube-router", ["build", *BUILD_FLAGS, "-ldflags=-s -w", "-o", str(bin_dir() / "kube-router"), pkg], src, log)
+
+
+def _build_pause(src: Path, log: Path) -> None:
+    _write_module(src, "module omnifleet.local/pause\n\ngo 1.26\n")
+    (src / "main.go").write_text(PAUSE_MAIN)
+    _go("pause", ["build", *BUILD_FLAGS, "-ldflags=-s -w", "-o", str(bin_dir() / "pause"), "."], src, log)
+
+
 _BUILDERS = {
     "etcd": ("etcd", _build_etcd, ETCD),
     **{c: ("kubernetes", _build_kube(c), KUBERNETES) for c in KUBE_COMMANDS},
     "kwok": ("kwok", _build_kwok, KWOK),
     "kstatus": ("kstatus", _build_kstatus, CLI_UTILS),
+    "coredns": ("coredns", _build_coredns, COREDNS),
+    "kube-router": ("kube-router", _build_kube_router, KUBE_ROUTER),
+    "pause": ("pause", _build_pause, "1"),
 }
 
 
 def _recipe_hash(name: str, version: str) -> str:
     # A change of version, flags or helper source invalidates that component's stamp.
-    extra = {"kwok": KWOK_STAGES, "kstatus": KSTATUS_MAIN}.get(name, KUBE_TAGS if name in KUBE_COMMANDS else "")
+    extra = {"kwok": KWOK_STAGES, "kstatus": KSTATUS_MAIN, "coredns": COREDNS_MAIN, "pause": PAUSE_MAIN}.get(
+        name, KUBE_TAGS if name in KUBE_COMMANDS else "")
     text = json.dumps([name, version, BUILD_FLAGS, extra])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -287,8 +384,8 @@ def _lock():
         yield
 
 
-def ensure_binaries(verbose: bool = True) -> dict[str, Path]:
-    """Build whatever is missing; return {component name: binary path}.
+def ensure_binaries(verbose: bool = True, components: tuple[str, ...] = CONTROL_PLANE) -> dict[str, Path]:
+    """Build whatever is missing of `components`; return {component name: binary path}.
 
     Build progress is always printed (a cold build takes many minutes);
     `verbose` adds the lines for components already up to date.
@@ -297,7 +394,7 @@ def ensure_binaries(verbose: bool = True) -> dict[str, Path]:
     with _lock():
         bin_dir().mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        for name in COMPONENTS:
+        for name in components:
             module, builder, version = _BUILDERS[name]
             if _is_built(name, version):
                 say(f"{name}: up to date")
@@ -314,12 +411,12 @@ def ensure_binaries(verbose: bool = True) -> dict[str, Path]:
             (bin_dir() / f".{name}.stamp").write_text(_recipe_hash(name, version) + "\n")
             _log(f"{name}: built in {time.monotonic() - t0:.0f}s")
         say(f"all binaries ready in {bin_dir()} ({time.monotonic() - start:.0f}s)")
-    return {name: bin_dir() / name for name in COMPONENTS}
+    return {name: bin_dir() / name for name in components}
 
 
 def main() -> int:
     try:
-        ensure_binaries()
+        ensure_binaries(components=COMPONENTS)
     except BuildError as e:
         _log(f"ERROR: {e}")
         return 1

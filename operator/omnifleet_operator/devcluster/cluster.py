@@ -1,11 +1,20 @@
-"""A real Kubernetes control plane on loopback, envtest-style, for tests and the dev loop.
+"""A real Kubernetes control plane, envtest-style, for tests and the dev loop; optionally a real node.
 
 etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok (which
 plays kubelet for fake nodes and pods) run as local processes built by
 build.py. Everything lives in one state directory (pidfiles, logs, certs,
 kubeconfigs), so `up` twice reuses the running cluster and `down` stops all
-it started. Only 127.0.0.1 is ever contacted: the ClusterIPs and pod IPs
-kwok hands out are bookkeeping and not routable.
+it started.
+
+Two shapes:
+- `DevCluster(dir)`: the control plane on 127.0.0.1 with free ports; many can
+  run at once (tests do). The pod and Service IPs kwok hands out are
+  bookkeeping and never routed.
+- `DevCluster(dir, real_node=True)`: the same plus one real worker node
+  (node.py: containerd, kubelet, kube-proxy, CoreDNS, kube-router) on a
+  bridge this machine creates (net.py, 198.18.0.0/15 only). The apiserver
+  binds the bridge address so pods reach it through the `kubernetes`
+  Service. One at a time: the bridge and the node's ports are the machine's.
 
     with DevCluster(tmp_path) as c:
         c.add_node("gpu-0", gpus=8)
@@ -34,14 +43,14 @@ import urllib.request
 from pathlib import Path
 
 if __package__:
-    from . import build
+    from . import build, net, node
 else:  # run as a script: the script's directory is on sys.path
     import build  # type: ignore[no-redef]
+    import net  # type: ignore[no-redef]
+    import node  # type: ignore[no-redef]
 
 # Start order; `down` stops in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
-SERVICE_CIDR = "172.20.0.0/16"  # kept apart from the pod CIDR below
-POD_CIDR = "10.0.0.0/8"  # kwok's default is a /24: too small for scale tests
 STOP_GRACE_S = 10.0
 NODE_LEASE_SECONDS = 40  # kwok renews each fake node's Lease (what kwokctl sets by default)
 # Log every write once (at ResponseComplete), nothing else.
@@ -111,8 +120,8 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise DevClusterError(f"openssl {args[0]} failed: {proc.stderr.strip()}")
 
 
-def _make_certs(d: Path) -> None:
-    """A CA, the apiserver's serving cert (loopback SANs) and the service-account key."""
+def _make_certs(d: Path, host: str = "127.0.0.1") -> None:
+    """A CA, the apiserver's serving cert, its client cert for kubelets, and the service-account key."""
     d.mkdir(parents=True, exist_ok=True)
     _openssl(
         "req",
@@ -148,7 +157,8 @@ def _make_certs(d: Path) -> None:
         cwd=d,
     )
     (d / "apiserver.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        f"subjectAltName=IP:127.0.0.1,IP:{host},IP:{net.KUBERNETES_SERVICE_IP},DNS:localhost,DNS:kubernetes,"
+        "DNS:kubernetes.default,"
         "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
         "extendedKeyUsage=serverAuth\n"
         # Explicit key identifiers: strict verifiers (Python 3.13+) require them.
@@ -172,14 +182,22 @@ def _make_certs(d: Path) -> None:
         "apiserver.crt",
         cwd=d,
     )
+    # The apiserver's client identity towards kubelets (logs, exec, port-forward).
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "kubelet-client.key", "-out", "kubelet-client.csr",
+             "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client", cwd=d)
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    _openssl("x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-days", "3650", "-extfile", "client.ext", "-out", "kubelet-client.crt", cwd=d)
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
 
 class DevCluster:
-    def __init__(self, state_dir: str | os.PathLike | None = None, *, timeout: float = 90.0):
+    def __init__(self, state_dir: str | os.PathLike | None = None, *, timeout: float = 90.0,
+                 real_node: bool | None = None):
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
         self.timeout = timeout  # per component readiness
+        self._real_node = real_node  # None: as the running cluster in state_dir was started
         self._info: dict | None = None
         self._procs: dict[str, subprocess.Popen] = {}
         self.up_seconds: float | None = None  # start-up time of the last fresh up()
@@ -203,8 +221,26 @@ class DevCluster:
         return self._info
 
     @property
+    def real_node(self) -> bool:
+        if self._real_node is None:
+            try:
+                return bool(self.info.get("real_node"))
+            except DevClusterError:
+                return False
+        return self._real_node
+
+    @property
+    def host(self) -> str:
+        """Where the apiserver listens: the bridge address with a real node, else loopback."""
+        return net.NODE_IP if self.real_node else "127.0.0.1"
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return COMPONENTS + (node.COMPONENTS if self.real_node else ())
+
+    @property
     def apiserver_url(self) -> str:
-        return f"https://127.0.0.1:{self.info['ports']['apiserver']}"
+        return f"https://{self.host}:{self.info['ports']['apiserver']}"
 
     @property
     def admin_token(self) -> str:
@@ -234,20 +270,23 @@ class DevCluster:
 
     def is_running(self) -> bool:
         """All processes from the state dir alive and every component ready."""
-        if not self._info_file.exists() or not all(self._pid(n) for n in COMPONENTS):
+        if not self._info_file.exists() or not all(self._pid(n) for n in self.components):
             return False
         try:
-            for name in COMPONENTS:
+            for name in self.components:
                 self._check_ready(name)
         except Exception:
             return False
         return True
 
     def up(self) -> DevCluster:
-        binaries = build.ensure_binaries(verbose=False)
-        if self.is_running():
+        wanted = build.CONTROL_PLANE + (build.NODE if self._real_node else ())
+        binaries = build.ensure_binaries(verbose=False, components=wanted)
+        if self.is_running() and self.real_node == bool(self._real_node):
             return self
         self.down()  # a half-dead previous cluster: stop whatever is left
+        if self._real_node:
+            self._claim_node()
         started = time.monotonic()
         for attempt in range(3):
             # Fresh state each time: a kept etcd data dir would remember old ports.
@@ -270,15 +309,49 @@ class DevCluster:
         self.up_seconds = time.monotonic() - started
         return self
 
+    def _claim_node(self) -> None:
+        """One real node per machine: refuse when another state dir's node runs."""
+        owner = node.node_cache() / "owner"
+        if owner.exists() and (other := Path(owner.read_text().strip())) != self.state_dir:
+            if DevCluster(other, real_node=True).is_running():
+                raise DevClusterError(f"a dev cluster with the real node already runs from {other}: "
+                                      f"stop it first (omnifleet dev down --state-dir {other})")
+        owner.parent.mkdir(parents=True, exist_ok=True)
+        owner.write_text(str(self.state_dir))
+
     def _start_all(self, binaries: dict[str, Path]) -> None:
         s, pki = self.state_dir, self.state_dir / "pki"
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
         ports = dict(zip(names, _free_ports(len(names)), strict=True))
-        self._info = {"ports": ports, "token": secrets.token_hex(24)}
-        _make_certs(pki)
+        real = bool(self._real_node)
+        if real:
+            net.up(s)  # the apiserver binds the bridge address
+            ports["apiserver"] = 6443
+        tokens = {"admin": secrets.token_hex(24)} | {u: secrets.token_hex(24) for u in node.NODE_USERS} if real \
+            else {"admin": secrets.token_hex(24)}
+        self._info = {"ports": ports, "token": tokens["admin"], "real_node": real}
+        _make_certs(pki, self.host)
         (s / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
-        (pki / "tokens.csv").write_text(f'{self.admin_token},admin,admin,"system:masters"\n')
+        lines = [f'{tokens["admin"]},admin,admin,"system:masters"']
+        lines += [f'{tokens[c]},{u},{u},"{g}"' if g else f"{tokens[c]},{u},{u}"
+                  for c, (u, g) in node.NODE_USERS.items() if c in tokens]
+        (pki / "tokens.csv").write_text("\n".join(lines) + "\n")
         self._info_file.write_text(json.dumps(self._info, indent=2))
+        if real:
+            apiserver_net = [
+                f"--bind-address={self.host}", f"--advertise-address={self.host}",
+                # Kubelets are reached by IP: the node name means nothing to the host's DNS.
+                "--kubelet-preferred-address-types=InternalIP",
+                f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+                "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+            ]
+        else:
+            apiserver_net = [
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",  # else it looks for a default route
+                "--endpoint-reconciler-type=none",  # no real endpoint for the kubernetes Service
+                "--authorization-mode=RBAC",
+            ]
 
         etcd_url = f"http://127.0.0.1:{ports['etcd']}"
         peer_url = f"http://127.0.0.1:{ports['etcd-peer']}"
@@ -304,18 +377,15 @@ class DevCluster:
             [
                 binaries["kube-apiserver"],
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",  # else it looks for a default route
+                *apiserver_net,
                 f"--secure-port={ports['apiserver']}",
                 f"--cert-dir={pki}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--token-auth-file={pki / 'tokens.csv'}",
-                "--authorization-mode=RBAC",
                 # Client certs signed by our CA (also the CSR signer's) authenticate too.
                 f"--client-ca-file={pki / 'ca.crt'}",
-                "--endpoint-reconciler-type=none",  # no real endpoint for the kubernetes Service
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={net.SERVICE_CIDR}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
@@ -327,7 +397,7 @@ class DevCluster:
             ],
         )
         self._wait_ready("kube-apiserver")
-        self._write_kubeconfig(self.kubeconfig, "admin", self.admin_token)
+        self.write_kubeconfig(self.kubeconfig, "admin", self.admin_token)
 
         kc = str(self.kubeconfig)
         # Delegated authn/authz lets /metrics on these servers accept the admin token.
@@ -351,7 +421,7 @@ class DevCluster:
                 f"--root-ca-file={pki / 'ca.crt'}",  # published as kube-root-ca.crt
                 f"--cluster-signing-cert-file={pki / 'ca.crt'}",
                 f"--cluster-signing-key-file={pki / 'ca.key'}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-cluster-ip-range={net.SERVICE_CIDR}",
                 # The defaults (20/30) throttle scale tests.
                 "--kube-api-qps=200",
                 "--kube-api-burst=400",
@@ -384,8 +454,9 @@ class DevCluster:
             [
                 binaries["kwok"],
                 f"--kubeconfig={kc}",
-                "--manage-all-nodes=true",
-                f"--cidr={POD_CIDR}",
+                # Only nodes marked fake (add_node does): never the real node.
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                f"--cidr={net.FAKE_POD_CIDR}",
                 "--node-ip=127.0.0.1",
                 f"--server-address=127.0.0.1:{ports['kwok']}",
                 # The heartbeat-with-lease stage patches node status only every
@@ -406,13 +477,32 @@ class DevCluster:
             "kube-controller-manager",
             "the default ServiceAccount",
         )
+        if real:
+            self._start_node(binaries, tokens)
+
+    def _start_node(self, binaries: dict[str, Path], tokens: dict[str, str]) -> None:
+        node.write_configs(self, tokens)
+        for name in node.COMPONENTS:
+            self._start(name, node.argv(self, name, binaries))
+            self._wait_ready(name)
+            if name == "kubelet":
+                self._wait(lambda: self.kubectl("get", "node", node.NODE_NAME, check=False).returncode == 0,
+                           "kubelet", "the node to register")
+        node.wait_node_ready(self)
 
     def down(self) -> None:
         """Stop every process of this state dir: SIGTERM, then SIGKILL after a grace period."""
+        real = self.real_node or bool(self._real_node)
+        if real:
+            node.drain_pods(self)
+            self._stop(list(reversed(node.COMPONENTS)))
+            node.teardown(self)
         # etcd last: an apiserver that loses etcd first hangs in its graceful shutdown.
         self._stop([n for n in COMPONENTS if n != "etcd"])
         self._stop(["etcd"])
         self._procs.clear()
+        if real:
+            net.down(self.state_dir)
         # Keep logs, certs and kubeconfigs for post-mortems; etcd data is the bulk.
         shutil.rmtree(self.state_dir / "etcd", ignore_errors=True)
 
@@ -477,7 +567,7 @@ class DevCluster:
 
     # --- readiness ------------------------------------------------------------
 
-    def _get(self, url: str, *, token: str | None = None, verify: bool = True, timeout: float = 5) -> str:
+    def get(self, url: str, *, token: str | None = None, verify: bool = True, timeout: float = 5) -> str:
         if url.startswith("https"):
             ctx = ssl.create_default_context(cafile=str(self.ca_file)) if verify else ssl._create_unverified_context()
         else:
@@ -486,21 +576,31 @@ class DevCluster:
         with urllib.request.urlopen(req, context=ctx, timeout=timeout) as r:
             return r.read().decode()
 
+    def ready_quietly(self, name: str) -> bool:
+        try:
+            self._check_ready(name)
+        except Exception:
+            return False
+        return True
+
     def _check_ready(self, name: str) -> None:
+        if name in node.COMPONENTS:
+            node.check_ready(self, name)
+            return
         p = self.info["ports"]
         if name == "etcd":
-            body = self._get(f"http://127.0.0.1:{p['etcd']}/health")
+            body = self.get(f"http://127.0.0.1:{p['etcd']}/health")
             if '"health":"true"' not in body.replace(" ", ""):
                 raise DevClusterError(body)
         elif name == "kube-apiserver":
-            self._get(f"{self.apiserver_url}/readyz", token=self.admin_token)
+            self.get(f"{self.apiserver_url}/readyz", token=self.admin_token)
         elif name == "kube-controller-manager":
             # Self-signed in-memory serving certs: nothing to verify against.
-            self._get(f"https://127.0.0.1:{p['controller-manager']}/healthz", verify=False)
+            self.get(f"https://127.0.0.1:{p['controller-manager']}/healthz", verify=False)
         elif name == "kube-scheduler":
-            self._get(f"https://127.0.0.1:{p['scheduler']}/readyz", verify=False)
+            self.get(f"https://127.0.0.1:{p['scheduler']}/readyz", verify=False)
         elif name == "kwok":
-            self._get(f"http://127.0.0.1:{p['kwok']}/healthz")
+            self.get(f"http://127.0.0.1:{p['kwok']}/healthz")
 
     def _wait_ready(self, name: str) -> None:
         def ready() -> bool:
@@ -520,7 +620,7 @@ class DevCluster:
             try:
                 if predicate():
                     return
-            except (OSError, urllib.error.URLError, DevClusterError, ssl.SSLError) as e:
+            except (OSError, urllib.error.URLError, RuntimeError, ssl.SSLError, subprocess.TimeoutExpired) as e:
                 last = e
             if time.monotonic() > deadline:
                 raise DevClusterError(
@@ -531,7 +631,7 @@ class DevCluster:
 
     # --- API helpers ------------------------------------------------------------
 
-    def _write_kubeconfig(self, path: Path, user: str, token: str) -> Path:
+    def write_kubeconfig(self, path: Path, user: str, token: str) -> Path:
         # JSON is valid YAML; the CA is inlined so the file can be copied anywhere.
         ca = base64.b64encode(self.ca_file.read_bytes()).decode()
         path.write_text(
@@ -598,7 +698,7 @@ class DevCluster:
 
     def metrics(self) -> str:
         """The apiserver's Prometheus /metrics, read with the admin token."""
-        return self._get(f"{self.apiserver_url}/metrics", token=self.admin_token, timeout=30)
+        return self.get(f"{self.apiserver_url}/metrics", token=self.admin_token, timeout=30)
 
     def sa_kubeconfig(self, namespace: str, sa: str, duration: str = "24h") -> Path:
         """A kubeconfig authenticating as ServiceAccount namespace/sa (created if missing)."""
@@ -606,7 +706,7 @@ class DevCluster:
         if made.returncode and "already exists" not in made.stderr.lower():
             raise DevClusterError(f"creating ServiceAccount {namespace}/{sa}: {made.stderr.strip()}")
         token = self.kubectl("create", "token", sa, "-n", namespace, f"--duration={duration}").stdout.strip()
-        return self._write_kubeconfig(
+        return self.write_kubeconfig(
             self.state_dir / f"sa-{namespace}-{sa}.kubeconfig", f"system:serviceaccount:{namespace}:{sa}", token
         )
 
