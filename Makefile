@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup run test test-unit test-golden-update crd clean
+.PHONY: setup run test test-unit test-golden-update crd images clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,12 @@ run: setup
 test: setup
 	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_cpu
 	$(BIN)/python -m pytest -q
+
+# The repo's images (runtime/Dockerfile, operator/Dockerfile) built with buildah on local bases;
+# loaded into the dev node when the dev cluster runs.
+images: setup
+	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_cpu
+	$(BIN)/omnifleet dev images
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit tests/golden

@@ -22,7 +22,7 @@ USAGE = """omnifleet COMMAND [ARGS]
   run -f FILE          run a pipeline locally as plain processes
   master ARGS          run a pipeline's master (in its pod)
   stage ARGS           run one stage process group (in its pod)
-  dev up|down|status   a local Kubernetes control plane with the operator
+  dev up|down|status|images  a local cluster (real node + fake GPU nodes) with the operator in it
 """
 
 

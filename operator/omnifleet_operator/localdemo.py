@@ -57,6 +57,7 @@ def prepare() -> str:
 
     path = tiny_model.model_dir("tiny-qwen2")
     if (path / tiny_model.STAMP).exists():
+        tiny_model.readable_by_all(path)
         say(f"tiny model: {path} (cached)")
         return str(path)
     say(f"preparing the tiny model (first run only, about a minute): {path}")

@@ -89,8 +89,11 @@ def _pods_of(pods: list[Obj], view: "StageView") -> list[Obj]:
 
 
 def _last_line(text: str) -> str:
+    """The line of a log tail that says why: the last `failed to start` line (a stage names its
+    reason there; lines after it report exit codes), else the last line."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
+    why = [line for line in lines if "failed to start" in line]
+    return (why or lines or [""])[-1][:300]
 
 
 def container_failure(pod: Obj) -> str | None:

@@ -199,7 +199,8 @@ def crashing_pod(stage, message):
 
 
 def test_a_crashing_stage_is_named_with_the_reason_from_its_termination_message():
-    log_tail = ("INFO loading engine\nstage talker failed to start: the model /models/nope does not exist\n")
+    log_tail = ("INFO loading engine\nstage talker failed to start: the model /models/nope does not exist\n"
+                "ERROR omnifleet.pod: stage worker exit codes: [1]\n")
     observed = Observed(deployments=all_ready(**dict([dep("speech-talker", 2, ready=1)])),
                         pods=[crashing_pod("talker", log_tail), pod("thinker")])
     st = status(observed)

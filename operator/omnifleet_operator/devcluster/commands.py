@@ -1,17 +1,23 @@
-"""`omnifleet dev up|down|status`: a local control plane with the operator running.
+"""`omnifleet dev up|down|status|images`: a local cluster with the operator running in it.
 
-`up` builds the binaries when missing, starts the DevCluster in the default
-state dir (${OMNIFLEET_CACHE:-~/.cache/omnifleet}/dev), adds fake nodes (two
-with 8 GPUs, one CPU-only), installs the operator with `kubectl apply -k
-manifests/`, scales the in-cluster operator Deployment to 0 (kwok pods run
-nothing) and starts the real operator as a local background process that
-authenticates as the omnifleet-operator ServiceAccount, so the shipped RBAC is
-what it gets. Its last line is `export KUBECONFIG=...` (the admin kubeconfig).
-Running it again reuses what runs and restarts only what died. `down` stops the
-operator, then the cluster. `status` says what runs (exit 0 only when all does).
+`up` builds what is missing (the Kubernetes binaries from Go modules, the
+Debian packages of the node, the repo's images), starts the DevCluster with
+its real node in the default state dir (${OMNIFLEET_CACHE:-~/.cache/omnifleet}/dev),
+adds two fake 8-GPU nodes (kwok; tainted `nvidia.com/gpu`, so only GPU pods
+go there), loads the images into the node's containerd and installs the
+operator with `kubectl apply -k manifests/`: the operator runs in the
+cluster, from its own image, as its least-privilege ServiceAccount. Its last
+line is `export KUBECONFIG=...` (the admin kubeconfig). Running it again reuses
+what runs and restarts only what died; `dev images` rebuilds and reloads the
+images (cached layers: seconds after a source change). `down` stops
+everything. `status` says what runs (exit 0 only when all does).
 
-The pieces (`install`, `start_operator`, `stop_operator`, ...) are also used by
-the end-to-end tests and by the `make run` main job. Stdlib only.
+`up --no-real-node` is the older, lighter shape: the control plane with fake
+nodes only (plus a CPU-only one), the in-cluster operator scaled to 0 and the
+operator as a local process authenticating as the same ServiceAccount.
+
+The pieces (`install`, `OperatorProcess`, ...) are also used by the
+end-to-end tests and by the `make run` main job. Stdlib only.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from . import build
+from . import build, hostdeps, images, node
 from .cluster import DevCluster, DevClusterError, _proc_start_time, _tail, default_state_dir
 
 REPO = Path(__file__).resolve().parents[3]
@@ -39,6 +46,10 @@ OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SA}"
 CRD_NAME = "omnipipelines.omnifleet.dev"
 # (name, GPUs): what `up` and the tests start with; a 16-GPU node is what a test adds later.
 NODES = (("gpu-0", 8), ("gpu-1", 8), ("cpu-0", 0))
+# Beside the real node (which runs the CPU pods) only fake GPU nodes, tainted as GPU pools are.
+GPU_NODES = (("gpu-0", 8), ("gpu-1", 8))
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+OPERATOR_ROLLOUT_TIMEOUT_S = 180
 LIVENESS_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -49,25 +60,42 @@ def say(msg: str) -> None:
 
 # -- install ---------------------------------------------------------------------
 
-def add_nodes(cluster: DevCluster, nodes=NODES) -> list[str]:
+def add_nodes(cluster: DevCluster, nodes=NODES, taints: list | None = None) -> list[str]:
     """Create the fake nodes that do not exist yet; return the names created."""
     made = []
     for name, gpus in nodes:
         if cluster.kubectl("get", "node", name, check=False).returncode:
-            cluster.add_node(name, gpus=gpus)
+            cluster.add_node(name, gpus=gpus, taints=taints if gpus else None)
             made.append(name)
     return made
 
 
-def install(cluster: DevCluster, manifests: Path = MANIFESTS) -> None:
-    """`kubectl apply -k manifests/`, wait for the CRD, scale the in-cluster operator to 0.
+def install(cluster: DevCluster, manifests: Path = MANIFESTS, *, in_cluster: bool = False) -> None:
+    """`kubectl apply -k manifests/` and wait for the CRD.
 
-    kwok pods run nothing, so the in-cluster operator Deployment could never do
-    its job here: the real operator runs as a local process instead.
+    in_cluster: wait until the operator Deployment (its own image) is rolled
+    out on the real node. Otherwise scale it to 0: on fake nodes it would run
+    nothing, and the operator runs as a local process instead.
     """
     cluster.kubectl("apply", "-k", str(manifests))
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s", timeout=70)
-    cluster.kubectl("scale", "deployment", OPERATOR_SA, "-n", OPERATOR_NAMESPACE, "--replicas=0")
+    if in_cluster:
+        # A rebuilt image under the same tag: restart so the pod runs what was just loaded.
+        cluster.kubectl("rollout", "restart", f"deployment/{OPERATOR_SA}", "-n", OPERATOR_NAMESPACE)
+        wait_rollout(cluster, OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_ROLLOUT_TIMEOUT_S)
+    else:
+        cluster.kubectl("scale", "deployment", OPERATOR_SA, "-n", OPERATOR_NAMESPACE, "--replicas=0")
+
+
+def wait_rollout(cluster: DevCluster, namespace: str, name: str, timeout: float) -> None:
+    """`kubectl rollout status`, with the pods' state in the error when it does not finish."""
+    r = cluster.kubectl("rollout", "status", f"deployment/{name}", "-n", namespace, f"--timeout={timeout:.0f}s",
+                        check=False, timeout=timeout + 15)
+    if r.returncode:
+        pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+        events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
+        raise DevClusterError(f"deployment {namespace}/{name} did not roll out in {timeout:.0f}s: "
+                              f"{r.stderr.strip()}\n{pods}\n{events[-3000:]}")
 
 
 def weights_volume(namespace: str, claim: str = "omni-weights", path: str = "/var/lib/omnifleet/models",
@@ -101,6 +129,44 @@ def weights_volume(namespace: str, claim: str = "omni-weights", path: str = "/va
         },
     }
     return [pv, pvc]
+
+
+class PortForward:
+    """`kubectl port-forward -n NS TARGET PORT:REMOTE` in the background, on 127.0.0.1."""
+
+    def __init__(self, cluster: DevCluster, namespace: str, target: str, remote: int, port: int = 0,
+                 timeout: float = 30):
+        self.port = port or free_port()
+        argv = [cluster._bin("kubectl"), f"--kubeconfig={cluster.kubeconfig}", "port-forward", "-n", namespace,
+                "--address=127.0.0.1", target, f"{self.port}:{remote}"]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        first = self.proc.stdout.readline() if self.proc.stdout else ""
+        while "Forwarding from" not in first:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                rest = self.proc.stdout.read() if self.proc.poll() is not None and self.proc.stdout else ""
+                self.stop()
+                raise DevClusterError(f"kubectl port-forward {target} failed: {first}{rest}".strip())
+            first = self.proc.stdout.readline()
+        # Drain its output so a full pipe never blocks it.
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 # -- the operator as a local process -----------------------------------------------
@@ -224,12 +290,14 @@ def _killpg(pid: int, sig: int) -> None:
 
 # -- the commands --------------------------------------------------------------------
 
-def up(state_dir: Path | None = None) -> DevCluster:
-    """Start (or reuse) cluster, nodes, install and operator. Raises on failure."""
+def up(state_dir: Path | None = None, real_node: bool = True) -> DevCluster:
+    """Start (or reuse) cluster, nodes, images, install and operator. Raises on failure."""
     state_dir = Path(state_dir or default_state_dir()).resolve()
+    if real_node:
+        return up_real(state_dir)
     say("checking the Kubernetes binaries (a first build takes several minutes) ...")
     build.ensure_binaries(verbose=True)
-    cluster = DevCluster(state_dir)
+    cluster = DevCluster(state_dir, real_node=False)
     op = OperatorProcess(state_dir)
     if cluster.is_running():
         say(f"control plane already running at {cluster.apiserver_url}")
@@ -255,6 +323,49 @@ def up(state_dir: Path | None = None) -> DevCluster:
         pid = op.start(cluster)
         say(f"operator started (pid {pid}, liveness {op.liveness_url}, log {op.log})")
     return cluster
+
+
+def up_real(state_dir: Path) -> DevCluster:
+    t0 = time.monotonic()
+    say("checking the Debian packages of the node (containerd, runc, CNI, iptables, ipset, buildah, ...) ...")
+    hostdeps.ensure(say)
+    say("checking the Kubernetes binaries: control plane and node (a first build takes about 10 minutes) ...")
+    build.ensure_binaries(verbose=False, components=build.COMPONENTS)
+    cluster = DevCluster(state_dir, real_node=True)
+    stale = OperatorProcess(state_dir)
+    if stale.stop() is not None:
+        say("stopped a local operator left from a cluster without the real node")
+    if cluster.is_running() and cluster.real_node:
+        say(f"cluster already running at {cluster.apiserver_url}")
+    else:
+        say(f"starting the control plane and the real node {node.NODE_NAME} in {state_dir} ...")
+        cluster.up()
+        say(f"cluster up at {cluster.apiserver_url} in {cluster.up_seconds:.1f}s "
+            f"(node {node.NODE_NAME} Ready; logs in {state_dir / 'logs'})")
+    made = add_nodes(cluster, GPU_NODES, taints=[GPU_TAINT])
+    if made:
+        say(f"added fake GPU nodes (kwok, tainted {GPU_TAINT['key']}): {', '.join(made)}")
+    say("building the images (a first build takes several minutes; then cached) and loading them into the node ...")
+    images.ensure(state_dir, say)
+    say(f"installing the operator: kubectl apply -k {MANIFESTS}; waiting for its pod on {node.NODE_NAME} ...")
+    install(cluster, in_cluster=True)
+    say(f"operator running in the cluster ({OPERATOR_NAMESPACE}/{OPERATOR_SA}); all up in {time.monotonic() - t0:.0f}s")
+    return cluster
+
+
+def build_images(state_dir: Path | None = None) -> None:
+    """Build the images; when the dev cluster with its real node runs, load them and restart the operator."""
+    state_dir = Path(state_dir or default_state_dir()).resolve()
+    hostdeps.ensure(say)
+    cluster = DevCluster(state_dir)
+    if cluster.is_running() and cluster.real_node:
+        images.ensure(state_dir, say)
+        install(cluster, in_cluster=True)
+        say("images loaded into the node; the operator restarted on its new image "
+            "(restart pipelines' pods to run the new runtime image: kubectl rollout restart deploy -n NS)")
+    else:
+        ids = images.build_all(say)
+        say("built " + ", ".join(ids) + " (no dev cluster running: nothing loaded)")
 
 
 def down(state_dir: Path | None = None) -> None:
@@ -283,6 +394,15 @@ def status(state_dir: Path | None = None) -> bool:
         print(f"pipelines: {count}")
     else:
         print(f"control plane: not running (state {state_dir})")
+    if running and cluster.real_node:
+        print(f"real node: {node.NODE_NAME} ({', '.join(node.COMPONENTS)} running)")
+        r = cluster.kubectl("get", "deployment", OPERATOR_SA, "-n", OPERATOR_NAMESPACE, "-o",
+                            "jsonpath={.status.availableReplicas}", check=False)
+        available = int(r.stdout or 0) if r.returncode == 0 else 0
+        print(f"operator: {'running' if available else 'not available'} in the cluster "
+              f"({OPERATOR_NAMESPACE}/{OPERATOR_SA}, {available} available)")
+        print(f"export KUBECONFIG={cluster.kubeconfig}")
+        return available > 0
     pid = op.pid()
     if pid and op.is_running():
         print(f"operator: running (pid {pid}, liveness {op.liveness_url}, log {op.log})")
@@ -296,21 +416,26 @@ def status(state_dir: Path | None = None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="omnifleet dev", description="A local Kubernetes control plane "
-                                "(etcd, kube-apiserver, kwok fake nodes) with the operator running.")
-    p.add_argument("action", choices=("up", "down", "status"))
+    p = argparse.ArgumentParser(prog="omnifleet dev", description="A local Kubernetes cluster (control plane, "
+                                "a real node, fake GPU nodes) with the operator running in it.")
+    p.add_argument("action", choices=("up", "down", "status", "images"))
     p.add_argument("--state-dir", type=Path, default=None,
                    help=f"where pidfiles, logs and kubeconfigs live (default: {default_state_dir()})")
+    p.add_argument("--no-real-node", action="store_true",
+                   help="control plane and fake nodes only; the operator as a local process")
     args = p.parse_args(argv)
     try:
         if args.action == "up":
-            cluster = up(args.state_dir)
+            cluster = up(args.state_dir, real_node=not args.no_real_node)
             print(f"export KUBECONFIG={cluster.kubeconfig}", flush=True)
+        elif args.action == "images":
+            build_images(args.state_dir)
         elif args.action == "down":
             down(args.state_dir)
         else:
             return 0 if status(args.state_dir) else 1
-    except (DevClusterError, build.BuildError, subprocess.TimeoutExpired) as e:
+    except (DevClusterError, build.BuildError, images.ImageError, hostdeps.HostDepsError, OSError,
+            subprocess.TimeoutExpired) as e:
         print(f"omnifleet dev {args.action}: {e}", file=sys.stderr)
         return 1
     return 0

@@ -210,6 +210,16 @@ def build_tiny_diffusion(out: Path) -> None:
 BUILDERS = {"tiny-qwen2": build_tiny_qwen2, "tiny-diffusion": build_tiny_diffusion}
 
 
+def readable_by_all(root: Path) -> None:
+    """Pods read the model as a non-root user (a hostPath volume keeps the files' modes):
+    some writers (safetensors) create files 0600."""
+    for p in [root, *root.rglob("*")]:
+        mode = p.stat().st_mode
+        want = mode | (0o555 if p.is_dir() else 0o444)
+        if want != mode:
+            p.chmod(want)
+
+
 def ensure_tiny_model(name: str = "tiny-qwen2", out: Path | str | None = None) -> Path:
     """Return the directory of the named tiny model, building it once.
 
@@ -219,6 +229,7 @@ def ensure_tiny_model(name: str = "tiny-qwen2", out: Path | str | None = None) -
     """
     final = Path(out) if out else model_dir(name)
     if (final / STAMP).exists():
+        readable_by_all(final)
         return final
     if final.exists() and any(final.iterdir()):
         raise FileExistsError(f"{final} exists but is not a complete {name} (no {STAMP}); remove it")
@@ -234,6 +245,7 @@ def ensure_tiny_model(name: str = "tiny-qwen2", out: Path | str | None = None) -
             raise RuntimeError(f"{name}: content checksum {digest} != expected {expected}: "
                                "the recipe is no longer deterministic (library change?)")
         (tmp / "checksum.sha256").write_text(digest + "\n")
+        readable_by_all(tmp)
         (tmp / STAMP).write_text(digest + "\n")
         if final.exists() and not (final / STAMP).exists():
             final.rmdir()  # empty (checked above)

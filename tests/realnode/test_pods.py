@@ -1,0 +1,320 @@
+"""The operator's pods, for real: the tiny two-stage vLLM pipeline as an OmniPipeline on the real node.
+
+Pods run the images built from the repo's Dockerfiles, in a namespace that
+enforces Pod Security `restricted`, reached through the master Service
+(`kubectl port-forward`), wired by the rendered Services, DNS names, ports,
+probes, `/dev/shm` and NetworkPolicy. The tests run in file order on one
+pipeline (loading two vLLM engines takes a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omnifleet_operator.devcluster import commands as dev
+from omnifleet_operator.devcluster import node
+from omnifleet_runtime import constants as C
+
+from ..e2e.kube import Kube, condition, wait_for
+from .conftest import PSA_RESTRICTED, REPO, describe_failure, make_namespace, model_claim, pod_logs, wait_ready
+
+SAMPLE = REPO / "manifests" / "samples" / "tiny-vllm.yaml"
+NAME = "tiny-vllm"
+CHAT = [{"role": "user", "content": "Hello! How are you today?"}]
+PLANNER = {"temperature": 1.0, "seed": 0, "max_tokens": 16}
+WRITER = {"temperature": 1.0, "seed": 0, "max_tokens": 32}
+LOAD_REQUESTS = 24  # bounded load: this many requests, at most LOAD_CONCURRENCY at once
+LOAD_CONCURRENCY = 3
+
+
+class Pipeline:
+    def __init__(self, cluster, kube: Kube, namespace: str):
+        self.cluster, self.kube, self.ns = cluster, kube, namespace
+        self.forward: dev.PortForward | None = None
+
+    @property
+    def url(self) -> str:
+        if self.forward is None or not self.forward.alive():
+            if self.forward is not None:
+                self.forward.stop()
+            self.forward = dev.PortForward(self.cluster, self.ns, f"svc/{NAME}-master", C.MASTER_API_PORT)
+        return self.forward.url
+
+    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                return e.code, json.loads(raw)
+            except ValueError:
+                return e.code, {"raw": raw.decode(errors="replace")}
+
+    def chat(self) -> tuple[int, dict]:
+        return self.post("/v1/chat/completions", {"model": NAME, "messages": CHAT, "return_token_ids": True})
+
+    def control(self, stage: str, method: str, args: dict) -> list:
+        status, body = self.post(f"/v1/stages/{stage}/control", {"method": method, "args": args, "timeout": 120})
+        assert status == 200, body
+        answers = list(body["replicas"].values())
+        assert answers and all(a["ok"] for a in answers), body
+        return [a["result"] for a in answers]
+
+    def expected(self) -> tuple[str, list[int]]:
+        """The writer's text and tokens from the two engines called directly (each replica: all must agree)."""
+        planned = self.control("planner", "generate", {"prompts": [CHAT], "sampling_params": PLANNER})
+        texts = {r["outputs"][0]["text"] for r in planned}
+        assert len(texts) == 1, planned
+        written = self.control("writer", "generate", {"prompts": [texts.pop()], "sampling_params": WRITER})
+        outs = {(r["outputs"][0]["text"], tuple(r["outputs"][0]["token_ids"])) for r in written}
+        assert len(outs) == 1, written
+        text, ids = outs.pop()
+        return text, list(ids)
+
+    def pods(self, selector: str = "") -> list[dict]:
+        sel = f"omnifleet.dev/pipeline={NAME}" + (f",{selector}" if selector else "")
+        return [p for p in self.kube.list("Pod", self.ns, sel) if not p["metadata"].get("deletionTimestamp")]
+
+    def close(self) -> None:
+        if self.forward is not None:
+            self.forward.stop()
+
+
+@pytest.fixture(scope="module")
+def pipe(cluster, kube, model_dir: Path):
+    ns = make_namespace(cluster, "tiny-vllm", PSA_RESTRICTED)
+    model_claim(cluster, ns, model_dir)
+    cluster.kubectl("apply", "-n", ns, "-f", str(SAMPLE))
+    p = Pipeline(cluster, kube, ns)
+    try:
+        wait_ready(kube, cluster, ns, NAME)
+        yield p
+    finally:
+        p.close()
+
+
+def load(p: Pipeline, n: int = LOAD_REQUESTS, during=None) -> list[tuple[int, dict]]:
+    """n chats, LOAD_CONCURRENCY at a time; `during()` runs once the first answer came back."""
+    out: list[tuple[int, dict]] = []
+    with cf.ThreadPoolExecutor(LOAD_CONCURRENCY) as pool:
+        futures = [pool.submit(p.chat) for _ in range(n)]
+        if during is not None:
+            next(cf.as_completed(futures))
+            during()
+        for f in futures:
+            out.append(f.result(timeout=300))
+    return out
+
+
+def check_outcomes(results: list[tuple[int, dict]], text: str, ids: list[int]) -> dict[str, int]:
+    """Every answer is exact or a clear error; returns the counts."""
+    counts: dict[str, int] = {}
+    for status, body in results:
+        if status == 200:
+            choice = body["choices"][0]
+            assert choice["message"]["content"] == text and choice["token_ids"] == ids, body
+            counts["ok"] = counts.get("ok", 0) + 1
+        else:
+            msg = json.dumps(body)
+            assert status in (502, 503, 504) and ("replica" in msg or "stage" in msg), (status, body)
+            counts[str(status)] = counts.get(str(status), 0) + 1
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pods_run_on_the_real_node_under_restricted_pod_security(pipe: Pipeline, cluster):
+    pods = pipe.pods()
+    assert {p["metadata"]["labels"].get("omnifleet.dev/stage") or "master" for p in pods} == \
+        {"master", "planner", "writer"}
+    for p in pods:
+        assert p["spec"]["nodeName"] == node.NODE_NAME
+        assert p["status"]["phase"] == "Running"
+        (c,) = p["spec"]["containers"]
+        assert c["image"] == C.DEFAULT_IMAGE and c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert p["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert all(s["ready"] for s in p["status"]["containerStatuses"])
+    # Enforcement is on: a pod that breaks `restricted` is refused in the same namespace.
+    bad = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "privileged", "namespace": pipe.ns},
+           "spec": {"containers": [{"name": "c", "image": C.DEFAULT_IMAGE,
+                                    "securityContext": {"privileged": True}}]}}
+    r = cluster.kubectl("apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert r.returncode != 0 and "violates PodSecurity" in r.stderr, r.stderr
+
+
+def test_tokens_through_the_master_service_equal_the_engines_own(pipe: Pipeline):
+    text, ids = pipe.expected()
+    assert len(ids) == WRITER["max_tokens"]
+    for _ in range(2):  # seeded: the same answer every time
+        status, body = pipe.chat()
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == text
+        assert body["choices"][0]["token_ids"] == ids
+
+
+def test_network_policy_keeps_zmq_ports_to_the_pipelines_own_pods(pipe: Pipeline, cluster, kube):
+    """A pod outside the pipeline reaches the API port, not the control or data ports (kube-router enforces)."""
+    outsider = make_namespace(cluster, "outsider")
+    master = f"{NAME}-master.{pipe.ns}.svc.cluster.local"
+    planner_ip = pipe.pods("omnifleet.dev/stage=planner")[0]["status"]["podIP"]
+    script = (
+        "import json, socket\n"
+        "def probe(host, port):\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=4).close(); return 'open'\n"
+        "    except OSError as e:\n"
+        "        return type(e).__name__\n"
+        f"print(json.dumps({{'api': probe({master!r}, {C.MASTER_API_PORT}), "
+        f"'control': probe({master!r}, {C.MASTER_CONTROL_PORT}), "
+        f"'data': probe({planner_ip!r}, {C.STAGE_DATA_PORT})}}))\n")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe", "namespace": outsider},
+           "spec": {"restartPolicy": "Never", "containers": [{
+               "name": "probe", "image": C.DEFAULT_IMAGE, "command": ["python3", "-c", script],
+               "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True, "runAsUser": 1000,
+                                   "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    done = wait_for(lambda: (p := kube.get("Pod", outsider, "probe")) and p["status"].get("phase") in
+                    ("Succeeded", "Failed") and p, 90, "the probe pod to finish")
+    logs = cluster.kubectl("logs", "-n", outsider, "probe").stdout
+    assert done["status"]["phase"] == "Succeeded", logs
+    seen = json.loads(logs.strip().splitlines()[-1])
+    assert seen["api"] == "open", seen  # the API port is open to the cluster, as rendered
+    assert seen["control"] != "open" and seen["data"] != "open", seen
+    # The same ports from inside the pipeline work (its stages use them): the answer still comes back.
+    assert pipe.chat()[0] == 200
+
+
+def test_a_killed_stage_pod_under_load_retries_or_errors_and_its_replacement_serves(pipe: Pipeline, cluster, kube):
+    text, ids = pipe.expected()
+    cluster.kubectl("scale", "-n", pipe.ns, f"deploy/{NAME}-writer", "--replicas=2")  # as a user would: hand edit
+    cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=json", "-p",
+                    json.dumps([{"op": "add", "path": "/spec/stages/1/replicas", "value": 2}]))
+    wait_for(lambda: len([p for p in pipe.pods("omnifleet.dev/stage=writer")
+                          if all(s["ready"] for s in p["status"].get("containerStatuses") or [{}])]) == 2,
+             420, lambda: "two ready writers\n" + describe_failure(cluster, pipe.ns))
+    wait_ready(kube, cluster, pipe.ns, NAME)
+    victim = pipe.pods("omnifleet.dev/stage=writer")[0]["metadata"]["name"]
+
+    def kill():
+        # grace 0: the container is killed, as by a crash or an OOM kill (a graceful delete drains instead).
+        cluster.kubectl("delete", "pod", "-n", pipe.ns, victim, "--grace-period=0", "--force", "--wait=false")
+
+    results = load(pipe, during=kill)
+    counts = check_outcomes(results, text, ids)
+    assert sum(counts.values()) == LOAD_REQUESTS and counts.get("ok", 0) >= LOAD_REQUESTS // 2, counts
+    print(f"killed writer pod {victim} under load: {counts}")
+    # The replacement comes up and registers; answers are exact again, from both replicas.
+    wait_for(lambda: len(pipe.pods("omnifleet.dev/stage=writer")) == 2
+             and victim not in {p["metadata"]["name"] for p in pipe.pods("omnifleet.dev/stage=writer")}, 120,
+             "the replacement writer pod")
+    wait_ready(kube, cluster, pipe.ns, NAME)
+    wait_for(lambda: len(pipe.control("writer", "ping", {})) == 2, 300, "two writers registered with the master")
+    assert pipe.expected() == (text, ids)
+    assert check_outcomes([pipe.chat() for _ in range(4)], text, ids) == {"ok": 4}
+
+
+def test_a_new_master_gets_the_stages_back_without_reloading_engines(pipe: Pipeline, cluster, kube):
+    text, ids = pipe.expected()
+    stages_before = {p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+                     for p in pipe.pods("omnifleet.dev/component=stage")}
+    (master,) = pipe.pods("omnifleet.dev/component=master")
+    cluster.kubectl("delete", "pod", "-n", pipe.ns, master["metadata"]["name"], "--wait=false")
+    wait_for(lambda: [p for p in pipe.pods("omnifleet.dev/component=master")
+                      if p["metadata"]["name"] != master["metadata"]["name"]
+                      and all(s["ready"] for s in p["status"].get("containerStatuses") or [{"ready": False}])],
+             180, "a new ready master pod")
+    pipe.close()  # the port-forward followed the old pod; the next request opens a new one
+    pipe.forward = None
+    wait_for(lambda: _ready(pipe), 120, "the new master to have every stage registered")
+    assert pipe.chat()[1]["choices"][0]["token_ids"] == ids
+    stages_after = {p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+                    for p in pipe.pods("omnifleet.dev/component=stage")}
+    assert stages_after == stages_before  # same pods, restartCount unchanged
+    logs = pod_logs(cluster, pipe.ns, "omnifleet.dev/component=stage")
+    for pod_name in stages_after:
+        loads = [line for line in logs.splitlines() if pod_name in line and "engine loaded" in line]
+        assert len(loads) == 1, (pod_name, loads)
+
+
+def _ready(p: Pipeline) -> bool:
+    try:
+        with urllib.request.urlopen(f"{p.url}/ready", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def test_changing_one_stages_engine_args_rolls_only_that_stage_and_requests_complete(pipe: Pipeline, cluster, kube):
+    text, ids = pipe.expected()
+    before = {k: set(v) for k, v in kube.pods_by_component(pipe.ns, NAME).items()}
+    doc = kube.pipeline(pipe.ns, NAME)
+    writer = next(i for i, s in enumerate(doc["spec"]["stages"]) if s["name"] == "writer")
+    args = {**doc["spec"]["stages"][writer]["engineArgs"], "max_num_seqs": 8}
+
+    def roll():
+        cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=json", "-p", json.dumps(
+            [{"op": "replace", "path": f"/spec/stages/{writer}/engineArgs", "value": args}]))
+
+    results = load(pipe, during=roll)
+    counts = check_outcomes(results, text, ids)  # drained on SIGTERM: complete, or a clear error
+    print(f"requests during the writer's rollout: {counts}")
+    generation = kube.pipeline(pipe.ns, NAME)["metadata"]["generation"]
+    wait_ready(kube, cluster, pipe.ns, NAME)
+    kube.wait_ready(pipe.ns, NAME, timeout=420, generation=generation)
+    after = {k: set(v) for k, v in kube.pods_by_component(pipe.ns, NAME).items()}
+    assert after["planner"] == before["planner"] and after["master"] == before["master"]
+    assert not (after["writer"] & before["writer"])  # every writer pod replaced
+    wait_for(lambda: _ready(pipe), 120, "the master to see the new writers")
+    assert check_outcomes([pipe.chat() for _ in range(3)], text, ids) == {"ok": 3}
+
+
+def test_a_stage_with_a_bad_model_path_says_why_in_its_pod_and_the_pipeline(cluster, kube, model_dir: Path):
+    ns = make_namespace(cluster, "bad-model", PSA_RESTRICTED)
+    model_claim(cluster, ns, model_dir)
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["metadata"]["name"] = "bad"
+    doc["spec"]["stages"] = [{**doc["spec"]["stages"][0], "finalOutput": "text", "model": "/models/no-such-model"}]
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+
+    def terminated():
+        for p in kube.list("Pod", ns, "omnifleet.dev/stage=planner"):
+            for cs in p["status"].get("containerStatuses") or []:
+                t = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated")
+                if t and t.get("message"):
+                    return t
+        return None
+
+    t = wait_for(terminated, 300, lambda: "the stage container to exit\n" + describe_failure(cluster, ns))
+    assert t["exitCode"] == 1
+    assert "stage planner failed to start" in t["message"] and "/models/no-such-model" in t["message"], t
+    got = kube.wait_condition(ns, "bad", "ContainerFailing", timeout=180)
+    msg = condition(got, "Ready")["message"]
+    assert "stage planner" in msg and "failed to start" in msg and "/models/no-such-model" in msg, msg
+
+
+def test_the_operator_runs_in_the_cluster_from_its_image_as_its_service_account(cluster, kube):
+    pods = kube.list("Pod", dev.OPERATOR_NAMESPACE, "app.kubernetes.io/component=operator")
+    running = [p for p in pods if p["status"].get("phase") == "Running"]
+    assert len(running) == 1, pods
+    spec = running[0]["spec"]
+    assert spec["serviceAccountName"] == dev.OPERATOR_SA and spec["nodeName"] == node.NODE_NAME
+    assert spec["containers"][0]["image"] == C.OPERATOR_IMAGE
+    # Least privilege: what it may and may not do, as the API server judges it.
+    sa = f"--as={dev.OPERATOR_USER}"
+    can = lambda *a: cluster.kubectl("auth", "can-i", *a, sa, check=False).stdout.strip()  # noqa: E731
+    assert can("create", "deployments", "-n", "default") == "yes"
+    assert can("list", "secrets", "--all-namespaces") == "no"
+    assert can("create", "pods", "-n", "default") == "no"
+    assert can("escalate", "clusterroles") == "no"
