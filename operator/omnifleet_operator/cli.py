@@ -18,6 +18,8 @@ USAGE = """omnifleet COMMAND [ARGS]
                        entrypoints and input processors they name exist (where installed)
   render -f FILE       print the Kubernetes objects the operator would apply
   crd [-o FILE]        print (or write) the generated CustomResourceDefinition
+  import vllm-omni FILE [--pipeline NAME] [--name NAME] [--model M]
+                       a vLLM-Omni deploy file as an OmniPipeline (stdout), or why not
   operator [ARGS]      run the operator (kopf) against the current kubeconfig
   run -f FILE          run a pipeline locally as plain processes
   master ARGS          run a pipeline's master (in its pod)
@@ -91,6 +93,24 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from .vllm_omni.importer import import_deploy
+
+    if not Path(args.file).is_file():
+        print(f"omnifleet import: {args.file}: no such file", file=sys.stderr)
+        return 2
+    result = import_deploy(args.file, pipeline=args.pipeline, name=args.name, model=args.model,
+                           version=args.vllm_omni_version)
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if result.document is None:
+        for r in result.refusals:
+            print(f"refused: {r}", file=sys.stderr)
+        return 1
+    sys.stdout.write(yaml.safe_dump(result.document, sort_keys=False, width=120))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -125,6 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-f", "--file", required=True)
     p.add_argument("-n", "--namespace", help="namespace of the pipeline (default: its own, else 'default')")
     p.set_defaults(func=cmd_render)
+    p = sub.add_parser("import", help="convert another system's pipeline file")
+    p.add_argument("source", choices=["vllm-omni"], help="the system the file comes from")
+    p.add_argument("file", help="a vLLM-Omni deploy YAML (its base_config files beside it)")
+    p.add_argument("--pipeline", help="vLLM-Omni pipeline registry key (default: the file's `pipeline:`, "
+                   "the pipeline whose default deploy file it is, or the file name's)")
+    p.add_argument("--name", help="metadata.name of the OmniPipeline (default: from the file name)")
+    p.add_argument("--model", help="spec.model (a deploy file names none)")
+    p.add_argument("--vllm-omni-version", default="0.30.0", help="vLLM-Omni version the file is for")
+    p.set_defaults(func=cmd_import)
     p = sub.add_parser("crd")
     p.add_argument("-o", "--output")
     p.set_defaults(func=cmd_crd)

@@ -86,6 +86,11 @@ def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], i
     doc, problems = check_document(doc_dict)
     if doc is None:
         raise SystemExit("omnifleet run: invalid pipeline:\n  " + "\n  ".join(map(str, problems)))
+    omni = [s.name for s in doc.spec.stages if s.type == "vllm-omni"]
+    if omni:
+        raise SystemExit(f"omnifleet run: stage(s) {', '.join(omni)} are vllm-omni stages, and this build has no "
+                         f"vllm-omni engine (vLLM-Omni's stage engines are not wired in yet); such a pipeline "
+                         f"validates and renders, it cannot run")
     objs = desired(doc)
     namespace = doc.metadata.namespace or "default"
     configmap = next(o for o in objs if o["kind"] == "ConfigMap")["data"]

@@ -88,3 +88,14 @@ def test_run_stops_everything_when_a_process_fails(tmp_path):
     finally:
         runner.kill()
     assert "No module named 'no_such_module'" in runner.output()
+
+
+def test_run_refuses_vllm_omni_stages_up_front(tmp_path):
+    omni = {"name": "thinker", "type": "vllm-omni", "finalOutput": "text",
+            "vllmOmni": {"pipeline": "qwen2_5_omni", "stageId": 0, "modelStage": "thinker", "workerType": "ar"}}
+    path = tmp_path / "omni.yaml"
+    path.write_text(yaml.safe_dump(pipeline(omni)))
+    done = subprocess.run([sys.executable, "-c", RUNNER, "-f", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH})
+    assert done.returncode == 1
+    assert "thinker are vllm-omni stages, and this build has no vllm-omni engine" in done.stderr
