@@ -344,9 +344,10 @@ class StageWorker:
         return info.messages if info.kind == "chat" else info.prompt
 
     def _process(self, upstream: dict[str, Any], info: wire.RequestInfo) -> Any:
-        """The input processor (default: the one upstream's value, or the dict of them)."""
+        """The input processor (default: a single-input stage gets the value, a stage with several
+        inputs the dict `{upstream: value}`, in stream mode too, so it can tell its inputs apart)."""
         if self.processor is None:
-            return next(iter(upstream.values())) if len(upstream) == 1 else upstream
+            return next(iter(upstream.values())) if len(self.stage.inputs) <= 1 else upstream
         out = self.processor(upstream, info)
         if inspect.isawaitable(out):
             raise TypeError("input processors must be plain functions")
