@@ -307,6 +307,11 @@ class Stage(Model):
         default_factory=dict, description="Default sampling parameters; a request can override them per stage."
     )
     vllm_omni: VllmOmniStage | None = Field(None, description="The vLLM-Omni stage this vllm-omni stage runs.")
+    engine_start_timeout_seconds: int | None = Field(
+        None, ge=1, le=86400,
+        description="Seconds the engine may take to load and warm up; past that the stage stops it and exits "
+        f"non-zero, and its pod restarts. Default: {C.ENGINE_START_TIMEOUT_S}.",
+    )
     resources: Resources = Field(default_factory=Resources, description="Container resources (besides GPUs).")
     env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
     volumes: list[Volume] = Field(
