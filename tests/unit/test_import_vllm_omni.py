@@ -204,3 +204,12 @@ def test_cli_refuses_with_one_line_per_reason(deploy_dir):
                         "stages on the same host, but the pipeline runs in 2 pod groups"]
     r = omnifleet("import", "vllm-omni", "/nonexistent/deploy.yaml")
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_gpus_per_replica_follow_the_parallel_sizes(deploy_dir):
+    s = stages_by_name(import_deploy(deploy_dir / "hunyuan_image_3_moe.yaml").document)
+    # ar: tensor_parallel_size 2 on devices 0,1; dit: a diffusion parallel_config with tensor_parallel_size 2 on 2,3
+    assert (s["ar"]["gpus"], s["dit"]["gpus"]) == (2, 2)
+    assert s["dit"]["vllmOmni"]["workerType"] == "diffusion" and "colocateWith" not in s["dit"]
+    s = stages_by_name(import_deploy(deploy_dir / "minimax_h3_disaggregated.yaml").document)
+    assert (s["encoder"]["gpus"], s["dit"]["gpus"]) == (2, 4)

@@ -215,7 +215,7 @@ def _devices_str(value: Any, sid: int) -> str | None:
     return str(value)  # YAML reads `devices: 0` as an int
 
 
-def apply_platform(deploy: Deploy, platform: str) -> list[str]:
+def apply_platform(deploy: Deploy, platform: str, schema: dict[str, Any]) -> list[str]:
     """vLLM-Omni's `_apply_platform_overrides` for one platform; returns the other platforms' names."""
     sections = deploy.platforms or {}
     others = sorted(p for p, v in sections.items() if p != platform and v)
@@ -245,7 +245,7 @@ def apply_platform(deploy: Deploy, platform: str) -> list[str]:
         if env is not None:
             base.env = {**base.env, **env} if isinstance(base.env, dict) and isinstance(env, dict) else env
         for key, val in overrides.items():
-            _set_stage_field(base, key, val)
+            _set_stage_field(base, key, val, frozenset(schema["stageFields"]))
     return others
 
 
@@ -254,20 +254,19 @@ _ATTRS = ("devices", "num_replicas", "env", "async_chunk", "output_connectors", 
 _DEEP = ("default_sampling_params", "default_pooling_params", "subtalker_sampling_params", "engine_extras")
 
 
-def _set_stage_field(stage: StageDeploy, key: str, val: Any, known: tuple[str, ...] | None = None) -> None:
+def _set_stage_field(stage: StageDeploy, key: str, val: Any, known: frozenset[str]) -> None:
     """`setattr(base, key, val)` on vLLM-Omni's dataclass: a known field, else an engine extra."""
     current = getattr(stage, key) if key in _ATTRS else stage.fields.get(key)
     if key in _DEEP and isinstance(val, dict) and isinstance(current, dict):
         val = {**current, **val}
     if key in _ATTRS:
         setattr(stage, key, int(val) if key == "num_replicas" else val)
-    elif key in STAGE_FIELD_NAMES:
+    elif key == "engine_extras" and isinstance(val, dict):
+        stage.engine_extras = {**stage.engine_extras, **val}
+    elif key in known:
         stage.fields[key] = val
     else:
         stage.engine_extras[key] = val
-
-
-STAGE_FIELD_NAMES: set[str] = set()  # filled by merge() from the topology data's schema
 
 
 def _resolve_async_chunk(deploy: Deploy, stage: StageDeploy | None) -> bool:
@@ -277,7 +276,6 @@ def _resolve_async_chunk(deploy: Deploy, stage: StageDeploy | None) -> bool:
 def merge(pipeline: dict[str, Any], deploy: Deploy, data: dict[str, Any]) -> list[MergedStage]:
     """vLLM-Omni's `merge_pipeline_deploy` (platform overlay already applied)."""
     schema = data["deploySchema"]
-    STAGE_FIELD_NAMES.update(schema["stageFields"])
     reserved = set(schema["stageReservedKeys"])
     stages_topo = sorted(pipeline["stages"], key=lambda s: s["stage_id"])
     by_id = {s.stage_id: s for s in deploy.stages}

@@ -196,7 +196,7 @@ def import_deploy(path: str | Path, pipeline: str | None = None, name: str | Non
         r = topo["resolver"]
         warn(f"pipeline {key!r}: vLLM-Omni picks one of {', '.join(r['returns'])} from the model's config "
              f"({r['function']}); imported its default, {r['default']}")
-    for other in apply_platform(deploy, PLATFORM):
+    for other in apply_platform(deploy, PLATFORM, data["deploySchema"]):
         warn(f"platforms.{other}: overrides for another platform than {PLATFORM} (NVIDIA GPUs) are not applied")
     try:
         stages = merge(topo, deploy, data)
