@@ -77,7 +77,7 @@ def start_watchdog(stage: str, timeout_s: float) -> threading.Event:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live process below pid (Linux /proc), children before their parents' siblings."""
+    """Every live process below pid, from /proc (Linux)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -42,7 +42,6 @@ PLATFORM = "cuda"  # stage pods request nvidia.com/gpu
 LOCAL_CONNECTORS = {"SharedMemoryConnector"}
 FINAL_OUTPUTS = set(FinalOutput.__args__)  # type: ignore[attr-defined]
 FINAL_ALIASES = {"actions": "action"}
-LLM_PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size")
 
 
 @dataclass

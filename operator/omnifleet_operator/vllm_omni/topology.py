@@ -25,7 +25,7 @@ import io
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
