@@ -14,12 +14,15 @@ from .checks import check_callables, check_document
 
 USAGE = """omnifleet COMMAND [ARGS]
 
-  validate -f FILE     check pipeline files; every problem with its field path, and that the
-                       entrypoints and input processors they name exist (where installed)
-  render -f FILE       print the Kubernetes objects the operator would apply
+  validate -f FILE [PATH=VALUE ...]   check pipeline files; every problem with its field path, and that
+                       the entrypoints and input processors they name exist (where installed)
+  render -f FILE [PATH=VALUE ...]     print the Kubernetes objects the operator would apply
   crd [-o FILE]        print (or write) the generated CustomResourceDefinition
+  import vllm-omni FILE [--pipeline NAME] [--name NAME] [--model M]
+                       a vLLM-Omni deploy file as an OmniPipeline (stdout), or why not
   operator [ARGS]      run the operator (kopf) against the current kubeconfig
-  run -f FILE          run a pipeline locally as plain processes
+  run -f FILE [PATH=VALUE ...]        run a pipeline locally as plain processes
+                       (PATH=VALUE: overrides of the spec, e.g. stages.talker.replicas=2)
   master ARGS          run a pipeline's master (in its pod)
   stage ARGS           run one stage process group (in its pod)
   dev up|down|status|images  a local cluster (real node + fake GPU nodes) with the operator in it
@@ -38,11 +41,20 @@ def load_documents(path: str) -> list[tuple[str, Any]]:
     return [(path if len(docs) == 1 else f"{path}#{i}", d) for i, d in enumerate(docs)]
 
 
+def with_overrides(doc: Any, overrides: list[str]) -> Any:
+    from .overrides import OverrideError, apply_overrides
+
+    try:
+        return apply_overrides(doc, overrides)
+    except OverrideError as e:
+        raise SystemExit(f"omnifleet: {e}") from None
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.file:
         for label, doc in load_documents(path):
-            parsed, problems = check_document(doc)
+            parsed, problems = check_document(with_overrides(doc, args.overrides))
             unchecked: list[str] = []
             if parsed is not None and not args.no_import:
                 problems, unchecked = check_callables(parsed)
@@ -65,7 +77,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     out = []
     for label, doc in load_documents(args.file):
-        parsed, problems = check_document(doc)
+        parsed, problems = check_document(with_overrides(doc, args.overrides))
         if problems:
             for p in problems:
                 print(f"{label}: {p}", file=sys.stderr)
@@ -88,6 +100,24 @@ def cmd_crd(args: argparse.Namespace) -> int:
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from .vllm_omni.importer import import_deploy
+
+    if not Path(args.file).is_file():
+        print(f"omnifleet import: {args.file}: no such file", file=sys.stderr)
+        return 2
+    result = import_deploy(args.file, pipeline=args.pipeline, name=args.name, model=args.model,
+                           version=args.vllm_omni_version)
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if result.document is None:
+        for r in result.refusals:
+            print(f"refused: {r}", file=sys.stderr)
+        return 1
+    sys.stdout.write(yaml.safe_dump(result.document, sort_keys=False, width=120))
     return 0
 
 
@@ -120,11 +150,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-f", "--file", action="append", required=True, help="pipeline file (repeatable, '-' for stdin)")
     p.add_argument("--no-import", action="store_true",
                    help="do not import the entrypoints and input processors to check that they exist")
+    p.add_argument("overrides", nargs="*", metavar="PATH=VALUE", help="override of the spec (stages.NAME.FIELD=VALUE)")
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("render")
     p.add_argument("-f", "--file", required=True)
     p.add_argument("-n", "--namespace", help="namespace of the pipeline (default: its own, else 'default')")
+    p.add_argument("overrides", nargs="*", metavar="PATH=VALUE", help="override of the spec (stages.NAME.FIELD=VALUE)")
     p.set_defaults(func=cmd_render)
+    p = sub.add_parser("import", help="convert another system's pipeline file")
+    p.add_argument("source", choices=["vllm-omni"], help="the system the file comes from")
+    p.add_argument("file", help="a vLLM-Omni deploy YAML (its base_config files beside it)")
+    p.add_argument("--pipeline", help="vLLM-Omni pipeline registry key (default: the file's `pipeline:`, "
+                   "the pipeline whose default deploy file it is, or the file name's)")
+    p.add_argument("--name", help="metadata.name of the OmniPipeline (default: from the file name)")
+    p.add_argument("--model", help="spec.model (a deploy file names none)")
+    p.add_argument("--vllm-omni-version", default="0.30.0", help="vLLM-Omni version the file is for")
+    p.set_defaults(func=cmd_import)
     p = sub.add_parser("crd")
     p.add_argument("-o", "--output")
     p.set_defaults(func=cmd_crd)

@@ -31,6 +31,7 @@ import yaml
 from omnifleet_runtime import constants as C
 
 from .checks import check_document
+from .overrides import OverrideError, apply_overrides
 from .render import desired
 
 # `omnifleet ARGS` with the interpreter running this runner (the console script may not be installed).
@@ -86,6 +87,11 @@ def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], i
     doc, problems = check_document(doc_dict)
     if doc is None:
         raise SystemExit("omnifleet run: invalid pipeline:\n  " + "\n  ".join(map(str, problems)))
+    omni = [s.name for s in doc.spec.stages if s.type == "vllm-omni"]
+    if omni:
+        raise SystemExit(f"omnifleet run: stage(s) {', '.join(omni)} are vllm-omni stages, and this build has no "
+                         f"vllm-omni engine (vLLM-Omni's stage engines are not wired in yet); such a pipeline "
+                         f"validates and renders, it cannot run")
     objs = desired(doc)
     namespace = doc.metadata.namespace or "default"
     configmap = next(o for o in objs if o["kind"] == "ConfigMap")["data"]
@@ -152,6 +158,8 @@ def _announce_ready(url: str, procs: list[LocalProcess]) -> None:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="omnifleet run", description="Run a pipeline locally as plain processes.")
     p.add_argument("-f", "--file", required=True, help="the OmniPipeline file")
+    p.add_argument("overrides", nargs="*", metavar="PATH=VALUE",
+                   help="overrides of the spec, e.g. stages.talker.replicas=2 (omegaconf dotlist values)")
     args = p.parse_args(argv)
     try:
         docs = [d for d in yaml.safe_load_all(Path(args.file).read_text()) if d is not None]
@@ -163,8 +171,13 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
 
+    try:
+        doc = apply_overrides(docs[0], args.overrides)
+    except OverrideError as e:
+        print(f"omnifleet run: {e}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="omnifleet-run-") as workdir:
-        procs, api_port = plan(docs[0], Path(workdir))
+        procs, api_port = plan(doc, Path(workdir))
         url = f"http://127.0.0.1:{api_port}"
         width = max(len(p.name) for p in procs)
         lock = threading.Lock()
@@ -178,7 +191,7 @@ def main(argv: list[str]) -> int:
                 proc.popen = subprocess.Popen(proc.argv, env=proc.env, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, start_new_session=True)
                 threading.Thread(target=_pump, args=(proc, width, lock), daemon=True).start()
-            model = docs[0]["metadata"]["name"]
+            model = doc["metadata"]["name"]
             with lock:
                 print(f"omnifleet run: {len(procs)} processes; API {url}\n"
                       f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

@@ -80,3 +80,10 @@ CONTROL_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 30.0
 # Exit status of a stage whose protocol version the master refused.
 EXIT_PROTOCOL_MISMATCH = 3
+# A stage whose engine has not loaded in this long gives up and exits (its pod restarts); per stage:
+# spec.stages[].engineStartTimeoutSeconds. Large models on slow volumes take many minutes.
+ENGINE_START_TIMEOUT_S = 1800
+# How often a stage asks its engine whether it is still alive (vLLM: its engine core process).
+ENGINE_WATCH_INTERVAL_S = 0.2
+EXIT_ENGINE_START_TIMEOUT = 4
+EXIT_ENGINE_DIED = 5

@@ -22,12 +22,14 @@ DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 # `package.module:function` (the function part may be dotted: `mod:Class.method`).
 CALLABLE_REF = rf"^{IDENT}(\.{IDENT})*:{IDENT}(\.{IDENT})*$"
+# vLLM-Omni names callables as dotted paths (`package.module.function`).
+DOTTED_REF = rf"^{IDENT}(\.{IDENT})+$"
 QUANTITY = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]i?|Ki)?$"
 
 MAX_STAGES = 32
 MAX_INPUTS = 16
 
-StageType = Literal["llm", "diffusion", "python", "torch"]
+StageType = Literal["llm", "diffusion", "python", "torch", "vllm-omni"]
 FinalOutput = Literal["text", "audio", "image", "video", "action", "none"]
 InputMode = Literal["stream", "whole"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
@@ -207,6 +209,39 @@ class Master(Model):
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Tolerations of the master pod.")
 
 
+class VllmOmniStage(Model):
+    """What a vLLM-Omni stage engine needs beyond the engine args: its place in vLLM-Omni's own
+    pipeline topology (as `omnifleet import vllm-omni` resolves it from a deploy file)."""
+
+    pipeline: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]+$", max_length=128,
+        description="vLLM-Omni pipeline registry key whose topology this stage belongs to (e.g. qwen2_5_omni).",
+    )
+    stage_id: int = Field(ge=0, le=1024, description="The stage's id in that topology.")
+    model_stage: str = Field(max_length=128, description="vLLM-Omni's model stage (thinker, talker, code2wav, ...).")
+    worker_type: Literal["ar", "generation", "diffusion"] = Field(
+        description="ar: autoregressive vLLM engine core; generation: non-autoregressive vLLM engine core; "
+        "diffusion: vLLM-Omni's diffusion engine.",
+    )
+    input_processor: str | None = Field(
+        None, pattern=DOTTED_REF, max_length=256,
+        description="vLLM-Omni's stage input processor (dotted path), run in this stage on its upstream outputs.",
+    )
+    async_chunk: bool = Field(
+        False, description="Stream chunks from upstream as they are produced (vLLM-Omni's async_chunk).",
+    )
+    devices: str | None = Field(
+        None, pattern=r"^[0-9]+(,[0-9]+)*$", max_length=256,
+        description="The pod's GPUs this stage uses, as indices into the pod's GPUs (CUDA_VISIBLE_DEVICES "
+        "order). Default: all of them.",
+    )
+    stage_config: FreeForm = Field(
+        default_factory=dict,
+        description="The rest of vLLM-Omni's per-stage config (hf_config_name, scheduler_cls, connectors, "
+        "sampling constraints, ...), passed to its stage engine as it is.",
+    )
+
+
 class Stage(Model):
     """One stage of the pipeline: an engine core fed by its upstream stages."""
 
@@ -215,6 +250,9 @@ class Stage(Model):
             ("self.type != 'python' && self.type != 'torch' || has(self.entrypoint)",
              "entrypoint is required for python and torch stages"),
             ("self.type != 'llm' || !has(self.entrypoint)", "entrypoint is not used by llm stages"),
+            ("self.type != 'vllm-omni' || (has(self.vllmOmni) && !has(self.entrypoint))",
+             "vllm-omni stages need vllmOmni and take no entrypoint"),
+            ("self.type == 'vllm-omni' || !has(self.vllmOmni)", "vllmOmni is only for vllm-omni stages"),
             ("!has(self.colocateWith) || (!has(self.gpus) && !has(self.replicas) && !has(self.autoscaling))",
              "a co-located stage shares its host's gpus, replicas and autoscaling; do not set them"),
             ("!(has(self.replicas) && has(self.autoscaling))", "set replicas or autoscaling, not both"),
@@ -229,7 +267,8 @@ class Stage(Model):
     )
     type: StageType = Field(
         description="Engine kind: llm (vLLM), diffusion (diffusers or a torch module), "
-        "python (entrypoint is a module:callable), torch (entrypoint is a module:factory returning an nn.Module).",
+        "python (entrypoint is a module:callable), torch (entrypoint is a module:factory returning an nn.Module), "
+        "vllm-omni (one of vLLM-Omni's stage engines, described by vllmOmni).",
     )
     entrypoint: CallableRef | None = Field(
         None, description="module:callable of a python stage, module:factory of a torch or custom diffusion stage."
@@ -266,6 +305,12 @@ class Stage(Model):
     )
     sampling_params: FreeForm = Field(
         default_factory=dict, description="Default sampling parameters; a request can override them per stage."
+    )
+    vllm_omni: VllmOmniStage | None = Field(None, description="The vLLM-Omni stage this vllm-omni stage runs.")
+    engine_start_timeout_seconds: int | None = Field(
+        None, ge=1, le=86400,
+        description="Seconds the engine may take to load and warm up; past that the stage stops it and exits "
+        f"non-zero, and its pod restarts. Default: {C.ENGINE_START_TIMEOUT_S}.",
     )
     resources: Resources = Field(default_factory=Resources, description="Container resources (besides GPUs).")
     env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables.")

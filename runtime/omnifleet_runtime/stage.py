@@ -25,6 +25,7 @@ import inspect
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -51,6 +52,48 @@ PEER_SOCKETS_MAX = 256
 
 class Refused(Exception):
     pass
+
+
+def start_watchdog(stage: str, timeout_s: float) -> threading.Event:
+    """An event to set once the engine has started; if it is not set within timeout_s, the process
+    kills what it started (the engine's own processes) and exits EXIT_ENGINE_START_TIMEOUT."""
+    started = threading.Event()
+
+    def watch() -> None:
+        if started.wait(timeout_s):
+            return
+        log.error("stage %s failed to start: its engine did not start within %gs "
+                  "(engineStartTimeoutSeconds); stopping it", stage, timeout_s)
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        logging.shutdown()
+        os._exit(C.EXIT_ENGINE_START_TIMEOUT)
+
+    threading.Thread(target=watch, name="engine-start-watchdog", daemon=True).start()
+    return started
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 @dataclass(eq=False)
@@ -122,12 +165,16 @@ class StageWorker:
     async def main(self, on_ready=None) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
+        timeout = self.stage.engine_start_timeout_seconds or C.ENGINE_START_TIMEOUT_S
+        started = start_watchdog(self.stage.name, timeout)  # engines load synchronously: a thread keeps time
         try:
             self.load()
             await self.engine.start()
         except EngineStartError as e:  # a known reason (bad engine arg, missing model): one clear line
             log.error("stage %s failed to start: %s", self.stage.name, e)
             return 1
+        finally:
+            started.set()
         if self.engine.max_concurrency:
             self.slots = asyncio.Semaphore(int(self.engine.max_concurrency))
         self.ctx = zmq.asyncio.Context()
@@ -143,14 +190,17 @@ class StageWorker:
         if on_ready:
             on_ready()
         tasks = [loop.create_task(self._session_loop()), loop.create_task(self._data_loop()),
-                 loop.create_task(self._gc_loop())]
+                 loop.create_task(self._gc_loop()), loop.create_task(self._engine_watch())]
         await self.stopping.wait()
         if self.exit_code == 0:
             await self._drain()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.engine.shutdown()
+        try:
+            await self.engine.shutdown()
+        except Exception as e:  # a dead engine may fail to shut down; the exit code already says why
+            log.warning("engine shutdown failed: %s: %s", type(e).__name__, e)
         for sock in [self.data, self.master, *self.peers.values()]:
             if sock is not None:
                 sock.close(linger=0)
@@ -169,6 +219,25 @@ class StageWorker:
             self._abort_all()
         await self._send_master(wire.Deregister("shutting down"), block=False)
         log.info("drained; exiting")
+
+    async def _engine_watch(self) -> None:
+        while True:
+            await asyncio.sleep(C.ENGINE_WATCH_INTERVAL_S)
+            if reason := self.engine.dead():
+                await self._engine_died(reason)
+                return
+
+    async def _engine_died(self, reason: str) -> None:
+        """The engine can serve no more: leave the master first (so it moves this replica's requests to
+        others instead of failing them), drop the requests here, and exit non-zero so the pod restarts."""
+        if self.exit_code == C.EXIT_ENGINE_DIED:
+            return
+        self.exit_code = C.EXIT_ENGINE_DIED
+        log.error("stage %s: engine died: %s; deregistering and exiting", self.stage.name, reason)
+        self.draining = True  # no new session
+        await self._send_master(wire.Deregister(f"engine died: {reason}"), block=False)
+        self._abort_all()
+        self.stopping.set()
 
     # ------------------------------------------------------------ master session
 
@@ -344,9 +413,10 @@ class StageWorker:
         return info.messages if info.kind == "chat" else info.prompt
 
     def _process(self, upstream: dict[str, Any], info: wire.RequestInfo) -> Any:
-        """The input processor (default: the one upstream's value, or the dict of them)."""
+        """The input processor (default: a single-input stage gets the value, a stage with several
+        inputs the dict `{upstream: value}`, in stream mode too, so it can tell its inputs apart)."""
         if self.processor is None:
-            return next(iter(upstream.values())) if len(upstream) == 1 else upstream
+            return next(iter(upstream.values())) if len(self.stage.inputs) <= 1 else upstream
         out = self.processor(upstream, info)
         if inspect.isawaitable(out):
             raise TypeError("input processors must be plain functions")
@@ -400,11 +470,15 @@ class StageWorker:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                if reason := self.engine.dead():  # not this request's fault: it moves to another replica
+                    await self._engine_died(reason)
+                    return
                 error = f"{type(e).__name__}: {e}"
                 log.warning("request %s failed: %s", msg.request_id, error)
             await self._send_master(wire.Done(msg.request_id, msg.attempt, self.stage.name, seq, error))
         except asyncio.CancelledError:  # aborted by the master, or it is gone: no Done expected
-            await self.engine.abort(msg.request_id)
+            if self.engine.dead() is None:  # a dead engine holds nothing to free
+                await self.engine.abort(msg.request_id)
         finally:
             self.jobs.pop(job.key, None)
 

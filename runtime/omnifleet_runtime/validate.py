@@ -94,6 +94,13 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
             add(f"{at}.entrypoint", f"required for {s.type} stages (module:callable)")
         if s.type == "llm" and s.entrypoint:
             add(f"{at}.entrypoint", "not used by llm stages")
+        if s.type == "vllm-omni":
+            if s.vllm_omni is None:
+                add(f"{at}.vllmOmni", "required for vllm-omni stages")
+            if s.entrypoint:
+                add(f"{at}.entrypoint", "not used by vllm-omni stages")
+        elif s.vllm_omni is not None:
+            add(f"{at}.vllmOmni", "only for vllm-omni stages")
         if s.replicas is not None and s.autoscaling is not None:
             add(f"{at}.autoscaling", "set replicas or autoscaling, not both")
         if s.autoscaling and s.autoscaling.min_replicas > s.autoscaling.max_replicas:

@@ -70,6 +70,13 @@ def join_inputs(upstream, request):
     return {name: chunks[0] for name, chunks in sorted(upstream.items())}
 
 
+def tag_source(inputs, sampling_params, context):
+    """Stream mode, several inputs, no input processor: each call gets {upstream: chunk}."""
+    assert isinstance(inputs, dict) and len(inputs) == 1, inputs
+    ((name, chunk),) = inputs.items()
+    return f"{name}={chunk['text']}"
+
+
 def render(inputs, sampling_params, context):
     return json.dumps(inputs, sort_keys=True)
 

@@ -68,3 +68,18 @@ async def test_torch_engine_runs_a_module_on_wire_arrays():
     assert out["y"].dtype == "float32" and out["y"].shape == (2,)
     assert struct.unpack("<2f", bytes(out["y"].data)) == (4.0, 7.0)
     assert struct.unpack("<f", bytes(out["sum"].data)) == (9.0,)
+
+
+def test_vllm_omni_stage_fails_at_start_naming_what_is_missing(make_fleet):
+    """No vllm-omni engine exists in this build: its stage exits 1 with one line saying so."""
+    from fleet_harness import pipeline, wait_until
+
+    omni = {"name": "thinker", "type": "vllm-omni", "finalOutput": "text",
+            "vllmOmni": {"pipeline": "qwen2_5_omni", "stageId": 0, "modelStage": "thinker", "workerType": "ar"}}
+    fleet = make_fleet(pipeline(omni))
+    fleet.start_master()
+    pod = fleet.start_pod("pod-omni", "thinker")
+    wait_until(lambda: not pod.alive(), "the vllm-omni stage pod to exit", timeout=60)
+    assert pod.popen.returncode == 1
+    assert "stage thinker failed to start: stage 'thinker' is a vllm-omni stage, and this build has no " \
+           "vllm-omni engine" in pod.output()

@@ -19,11 +19,11 @@ RUNNER = "import sys; from omnifleet_operator.localrun import main; sys.exit(mai
 
 
 class Runner:
-    def __init__(self, tmp_path, doc):
+    def __init__(self, tmp_path, doc, *overrides: str):
         path = tmp_path / "pipeline.yaml"
         path.write_text(yaml.safe_dump(doc))
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH, "OMNIFLEET_TEST_DIR": str(tmp_path)}
-        self.popen = subprocess.Popen([sys.executable, "-c", RUNNER, "-f", str(path)], cwd=ROOT, env=env,
+        self.popen = subprocess.Popen([sys.executable, "-c", RUNNER, "-f", str(path), *overrides], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
@@ -51,12 +51,13 @@ class Runner:
 def test_run_starts_every_rendered_pod_and_stops_on_ctrl_c(tmp_path):
     import openai
 
+    # The file asks for one replica of a; the command line's override makes it two.
     runner = Runner(tmp_path, pipeline(
-        stage("a", "upper", replicas=2, gpus=0),
+        stage("a", "upper", replicas=1, gpus=0),
         stage("b", "exclaim", inputs=["a"], colocateWith="a"),
         stage("c", "halves", inputs=["b"], finalOutput="text", gpus=0),
         name="demo",
-    ))
+    ), "stages.a.replicas=2")
     try:
         url = runner.expect(r"API (http://127\.0\.0\.1:\d+)").group(1)
         runner.expect(r"curl http://127\.0\.0\.1:\d+/v1/chat/completions")
@@ -88,3 +89,24 @@ def test_run_stops_everything_when_a_process_fails(tmp_path):
     finally:
         runner.kill()
     assert "No module named 'no_such_module'" in runner.output()
+
+
+def test_run_refuses_vllm_omni_stages_up_front(tmp_path):
+    omni = {"name": "thinker", "type": "vllm-omni", "finalOutput": "text",
+            "vllmOmni": {"pipeline": "qwen2_5_omni", "stageId": 0, "modelStage": "thinker", "workerType": "ar"}}
+    path = tmp_path / "omni.yaml"
+    path.write_text(yaml.safe_dump(pipeline(omni)))
+    done = subprocess.run([sys.executable, "-c", RUNNER, "-f", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH})
+    assert done.returncode == 1
+    assert "thinker are vllm-omni stages, and this build has no vllm-omni engine" in done.stderr
+
+
+def test_run_names_a_bad_override(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(pipeline(stage("a", "upper", gpus=0, finalOutput="text"))))
+    done = subprocess.run([sys.executable, "-c", RUNNER, "-f", str(path), "stages.b.replicas=2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH})
+    assert done.returncode == 2
+    assert "override 'stages.b.replicas=2': no stage named 'b' (stages: a)" in done.stderr

@@ -104,6 +104,23 @@ def test_fan_out_fan_in_and_sampling_overrides(make_fleet):
     }
 
 
+def test_fan_in_of_streaming_stages_tells_its_inputs_apart(make_fleet):
+    """A python join (stream mode by default) with two inputs and no input processor gets {upstream: chunk}."""
+    fleet = make_fleet(pipeline(
+        stage("src", "source"),
+        stage("left", "describe", inputs=["src"]),
+        stage("right", "describe", inputs=["src"]),
+        stage("join", "tag_source", inputs=["left", "right"], finalOutput="text"),
+    ))
+    fleet.start_master()
+    for s in ("src", "left", "right", "join"):
+        fleet.start_pod(f"pod-{s}", s)
+    fleet.wait_ready()
+    out = fleet.openai().completions.create(model="test", prompt="hi")
+    # one output chunk per upstream chunk, in arrival order
+    assert out.choices[0].text in ("left=hiright=hi", "right=hileft=hi"), out.choices[0].text
+
+
 def test_downstream_starts_on_upstream_chunks(make_fleet):
     """The first audio-like chunk reaches the client while the upstream is still generating."""
     fleet = make_fleet(pipeline(

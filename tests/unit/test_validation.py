@@ -57,6 +57,8 @@ def _many(*fns):
 
 
 S = ("spec", "stages")
+OMNI = {"pipeline": "qwen2_5_omni", "stageId": 0, "modelStage": "thinker", "workerType": "ar"}
+
 CASES = [
     # (id, mutation, expected path, fragment of the message)
     ("not-a-mapping", lambda d: d.clear(), "kind", "Field required"),
@@ -80,6 +82,17 @@ CASES = [
     ("entrypoint-two-colons", _set(S + (2, "entrypoint"), "a:b:c"), "spec.stages[2].entrypoint", "pattern"),
     ("python-without-entrypoint", _del(S + (2, "entrypoint")), "spec.stages[2].entrypoint", "required"),
     ("llm-with-entrypoint", _set(S + (0, "entrypoint"), "m:f"), "spec.stages[0].entrypoint", "not used"),
+    ("vllm-omni-without-block", _set(S + (0, "type"), "vllm-omni"), "spec.stages[0].vllmOmni", "required"),
+    ("vllm-omni-block-on-llm", _set(S + (0, "vllmOmni"), OMNI), "spec.stages[0].vllmOmni", "only for vllm-omni"),
+    ("vllm-omni-with-entrypoint", _many(_set(S + (0, "type"), "vllm-omni"), _set(S + (0, "vllmOmni"), OMNI),
+                                        _set(S + (0, "entrypoint"), "m:f")), "spec.stages[0].entrypoint", "not used"),
+    ("vllm-omni-bad-devices", _many(_set(S + (0, "type"), "vllm-omni"), _set(S + (0, "vllmOmni"), {**OMNI, "devices": "0;1"})),
+     "spec.stages[0].vllmOmni.devices", "pattern"),
+    ("vllm-omni-colon-processor", _many(_set(S + (0, "type"), "vllm-omni"),
+                                        _set(S + (0, "vllmOmni"), {**OMNI, "inputProcessor": "m:f"})),
+     "spec.stages[0].vllmOmni.inputProcessor", "pattern"),
+    ("vllm-omni-bad-worker", _many(_set(S + (0, "type"), "vllm-omni"), _set(S + (0, "vllmOmni"), {**OMNI, "workerType": "gpu"})),
+     "spec.stages[0].vllmOmni.workerType", "'ar'"),
     ("duplicate-stage", _set(S + (1, "name"), "thinker"), "spec.stages[1].name", "duplicate"),
     ("input-unknown", _set(S + (1, "inputs"), ["thinkr"]), "spec.stages[1].inputs[0]", "no stage named 'thinkr'"),
     ("input-self", _set(S + (1, "inputs"), ["talker"]), "spec.stages[1].inputs[0]", "own input"),

@@ -43,6 +43,11 @@ class Engine(abc.ABC):
     def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         """Output chunks for one request. Cancelling the iteration aborts the request."""
 
+    def dead(self) -> str | None:
+        """Why the loaded engine can serve no more (its engine process died, ...), or None while it can.
+        Polled by the stage; cheap and non-blocking."""
+        return None
+
     async def abort(self, request_id: str) -> None:
         """Free what the request holds (called after its generate() was cancelled)."""
 

@@ -18,7 +18,9 @@ Large bytes arrive downstream as read-only memoryviews (zero-copy).
 
 Control RPCs: `ping` is built in; for anything else, define
 `omnifleet_control(method: str, args: dict)` (sync or async) in the
-entrypoint's module.
+entrypoint's module. A stage that drives something that can die on its own
+(a server process it started) defines `omnifleet_dead()` there: a reason
+string once it can serve no more, else None; polled often, it must not block.
 
 engine_args: `max_concurrency` (requests let into the callable at once).
 """
@@ -55,11 +57,14 @@ class PythonEngine(Engine):
         self.replica = replica
         self.max_concurrency = stage.engine_args.get("max_concurrency")
         self.fn: Any = None
+        self.dead_hook: Any = None
 
     async def start(self) -> None:
         self.fn = load_callable(self.stage.entrypoint)
         if not callable(self.fn):
             raise TypeError(f"{self.stage.entrypoint} is not callable")
+        module = importlib.import_module(self.stage.entrypoint.partition(":")[0])
+        self.dead_hook = getattr(module, "omnifleet_dead", None)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         ctx = StageContext(request.request_id, self.stage.name, self.replica, request.info)
@@ -82,6 +87,10 @@ class PythonEngine(Engine):
                 elif out is not None:
                     yield out
             ctx.chunk_index += 1
+
+    def dead(self) -> str | None:
+        hook = self.dead_hook
+        return hook() if hook is not None else None
 
     async def control(self, method: str, args: dict[str, Any]) -> Any:
         if method == "ping":

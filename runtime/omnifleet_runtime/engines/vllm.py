@@ -174,6 +174,13 @@ class VllmEngine(Engine):
 
         return SchedulerView
 
+    def dead(self) -> str | None:
+        # AsyncLLM's public `errored`: its engine core process exited (vLLM's monitor thread saw it) or its
+        # output handler stopped; every later call would raise EngineDeadError.
+        if self.engine is not None and getattr(self.engine, "errored", False):
+            return "the vLLM engine core is dead (its process exited or its output loop stopped)"
+        return None
+
     async def shutdown(self) -> None:
         if self.engine is None:
             return

@@ -1,0 +1,72 @@
+"""Engine start timeout and engine death inside a live pod, with real stage processes.
+
+The python engine stands in for vLLM here (tests/engines kills a real vLLM engine core): its
+stage module starts a helper process that plays the engine process, and reports its death
+through `omnifleet_dead()`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from fleet_harness import pipeline, stage, wait_until
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed child not yet reaped by its (gone) parent is a zombie: count it as dead
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_engine_that_does_not_start_in_time_is_stopped_and_the_stage_exits(make_fleet, tmp_path):
+    doc = pipeline(stage("slow", "answer", finalOutput="text", engineStartTimeoutSeconds=2))
+    doc["spec"]["stages"][0]["entrypoint"] = "lifecyclefns:answer"
+    fleet = make_fleet(doc)
+    fleet.env["LIFECYCLE_HANG_ON_LOAD"] = "1"
+    fleet.start_master()
+    pod = fleet.start_pod("pod-slow", "slow")
+    pid_file = tmp_path / "helper-pod-slow.pid"
+    wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the load to start its helper process")
+    helper_pid = int(pid_file.read_text())
+    wait_until(lambda: not pod.alive(), "the stage pod to give up", timeout=60)
+    assert pod.popen.returncode == 4, pod.output()
+    assert "stage slow failed to start: its engine did not start within 2s (engineStartTimeoutSeconds)" \
+        in pod.output()
+    wait_until(lambda: not pid_alive(helper_pid), "the engine's helper process to be killed", timeout=10)
+
+
+def test_engine_death_deregisters_the_replica_and_its_request_fails_over(make_fleet, tmp_path):
+    doc = pipeline(stage("eng", "answer", finalOutput="text", replicas=2))
+    doc["spec"]["stages"][0]["entrypoint"] = "lifecyclefns:answer"
+    fleet = make_fleet(doc)
+    fleet.start_master()
+    a = fleet.start_pod("pod-a", "eng")
+    b = fleet.start_pod("pod-b", "eng")
+    fleet.wait_ready()
+
+    result = {}
+    caller = threading.Thread(target=lambda: result.update(
+        out=fleet.openai().completions.create(model="test", prompt="hello")))
+    caller.start()
+    first = wait_until(lambda: next((p for p in ("pod-a", "pod-b") if (tmp_path / f"inflight-{p}").exists()),
+                                    None), "the request to reach a replica")
+    other = "pod-b" if first == "pod-a" else "pod-a"
+    dying, surviving = (a, b) if first == "pod-a" else (b, a)
+    os.kill(int((tmp_path / f"engine-{first}.pid").read_text()), 9)  # the engine process dies mid-request
+
+    wait_until(lambda: not dying.alive(), "the pod with the dead engine to exit", timeout=30)
+    assert dying.popen.returncode == 5, dying.output()
+    assert "stage eng: engine died: engine process" in dying.output()
+    # the master dropped the replica at once and sent the request to the other one
+    wait_until(lambda: [r["replica"] for r in fleet.stages()["eng"]] == [other], "the replica to deregister")
+    assert "deregistered: engine died" in fleet.procs["master"].output()
+    wait_until(lambda: (tmp_path / f"inflight-{other}").exists(), "the request to fail over")
+    (tmp_path / "release").touch()
+    caller.join(timeout=30)
+    assert result["out"].choices[0].text == f"{other}:hello"
+    assert surviving.alive()
