@@ -21,6 +21,7 @@ import kopf
 
 from omnifleet_runtime import constants as C
 
+from .leader import Elector, LostLeadership
 from .reconcile import Api, AppliedCache, Children, event_object, now_iso, object_key, reconcile
 from .status import Event
 
@@ -294,8 +295,30 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = WATCH_TIMEOUT + 10
     settings.networking.error_backoffs = [1, 2, 5]
     STATE.api = Api()
-    STATE.tasks = [asyncio.create_task(_work()) for _ in range(WORKERS)]
+    lease_ns = os.environ.get(ENV_LEADER_ELECTION_NAMESPACE)
+    if lease_ns:
+        STATE.tasks = [asyncio.create_task(_lead(lease_ns))]
+    else:
+        _start_workers()
+
+
+def _start_workers() -> None:
+    STATE.tasks += [asyncio.create_task(_work()) for _ in range(WORKERS)]
     STATE.tasks.append(asyncio.create_task(_resync()))
+
+
+async def _lead(namespace: str) -> None:
+    """Reconcile only while holding the Lease; exit when it is lost (restarted as a follower)."""
+    elector = Elector(STATE.api.client, namespace, os.environ.get(C.ENV_POD_NAME) or socket.gethostname())
+    await elector.acquire()
+    _start_workers()
+    for key in list(STATE.pipelines):  # what changed while following
+        STATE.queue.add(key)
+    try:
+        await elector.hold()
+    except LostLeadership as e:
+        log.error("%s: exiting so that only one replica writes", e)
+        os._exit(1)
 
 
 @kopf.on.cleanup()
@@ -306,6 +329,10 @@ async def cleanup(**_: Any) -> None:
     STATE.tasks = []
     if STATE.api is not None:
         await STATE.api.client.close()
+
+
+# Set (to the operator's namespace) when several replicas run: only the holder of a Lease there writes.
+ENV_LEADER_ELECTION_NAMESPACE = "OMNIFLEET_LEADER_ELECTION_NAMESPACE"
 
 
 def main(argv: list[str]) -> int:

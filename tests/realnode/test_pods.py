@@ -304,17 +304,32 @@ def test_a_stage_with_a_bad_model_path_says_why_in_its_pod_and_the_pipeline(clus
     assert "stage planner" in msg and "failed to start" in msg and "/models/no-such-model" in msg, msg
 
 
-def test_the_operator_runs_in_the_cluster_from_its_image_as_its_service_account(cluster, kube):
-    pods = kube.list("Pod", dev.OPERATOR_NAMESPACE, "app.kubernetes.io/component=operator")
-    running = [p for p in pods if p["status"].get("phase") == "Running"]
-    assert len(running) == 1, pods
-    spec = running[0]["spec"]
-    assert spec["serviceAccountName"] == dev.OPERATOR_SA and spec["nodeName"] == node.NODE_NAME
-    assert spec["containers"][0]["image"] == C.OPERATOR_IMAGE
+def test_the_operator_runs_in_the_cluster_from_its_image_with_one_leader(pipe: Pipeline, cluster, kube):
+    ns = dev.OPERATOR_NAMESPACE
+    pods = [p for p in kube.list("Pod", ns, "app.kubernetes.io/component=operator")
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 2, pods
+    for p in pods:
+        assert p["spec"]["serviceAccountName"] == dev.OPERATOR_SA and p["spec"]["nodeName"] == node.NODE_NAME
+        assert p["spec"]["containers"][0]["image"] == C.OPERATOR_IMAGE
     # Least privilege: what it may and may not do, as the API server judges it.
     sa = f"--as={dev.OPERATOR_USER}"
     can = lambda *a: cluster.kubectl("auth", "can-i", *a, sa, check=False).stdout.strip()  # noqa: E731
     assert can("create", "deployments", "-n", "default") == "yes"
     assert can("list", "secrets", "--all-namespaces") == "no"
     assert can("create", "pods", "-n", "default") == "no"
-    assert can("escalate", "clusterroles") == "no"
+    assert can("update", "leases/omnifleet-operator", "-n", ns) == "yes"
+    assert can("update", "leases/kube-scheduler", "-n", "kube-system") == "no"
+
+    def holder() -> str | None:
+        r = cluster.kubectl("get", "lease", "omnifleet-operator", "-n", ns, "-o", "json", check=False)
+        return json.loads(r.stdout)["spec"].get("holderIdentity") if r.returncode == 0 else None
+
+    leader = wait_for(holder, 60, "a replica to hold the lease")
+    assert leader in {p["metadata"]["name"] for p in pods}
+    # The leader goes away: the other replica takes over and reconciles (puts back a deleted child).
+    cluster.kubectl("delete", "pod", "-n", ns, leader, "--wait=false")
+    new = wait_for(lambda: (h := holder()) not in (None, leader) and h, 60, "another replica to take the lease")
+    assert new in {p["metadata"]["name"] for p in pods} or new.startswith("omnifleet-operator-")
+    cluster.kubectl("delete", "service", "-n", pipe.ns, f"{NAME}-master")
+    wait_for(lambda: kube.get("Service", pipe.ns, f"{NAME}-master"), 90, "the new leader to put the Service back")
