@@ -23,6 +23,9 @@ def test_main_job_serves_the_tiny_pipeline_from_the_operators_pods(cluster):
                        "one request through the master Service answered", "kubectl port-forward -n rn-main-job",
                        "from openai import OpenAI"):
             assert needle in out, out
-        assert "not checked" not in out and "invalid" not in out, out
+        assert "invalid" not in out, out
+        # Only the python-code sample's own module (it ships in a ConfigMap) cannot be imported here.
+        unchecked = [line for line in out.splitlines() if "not checked" in line]
+        assert len(unchecked) == 2 and all("textops:" in line for line in unchecked), unchecked
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
