@@ -47,6 +47,11 @@ def _structural(node: Schema) -> Schema:
             desc = node.get("description", "")
             if "Default:" not in desc:
                 node["description"] = f"{desc} Default: {text}.".strip()
+    # JSON Schema 2020's numeric exclusive bounds are booleans beside minimum/maximum in OpenAPI v3.
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(bound), (int, float)) and not isinstance(node.get(bound), bool):
+            node[plain] = node.pop(bound)
+            node[bound] = True
     if node.get("type") == "object" and node.get("additionalProperties") is False:
         node.pop("additionalProperties")  # structural schemas prune unknown fields anyway
     return node
