@@ -365,15 +365,15 @@ class Watch:
         return list(self.objects)
 
 
-def weights(kube: Kube, namespace: str) -> None:
-    """The `omni-weights` claim the samples' modelVolume names, bound to a static PV."""
-    kube.apply(dev.weights_volume(namespace))
+def weights(kube: Kube, namespace: str, claim: str = "omni-weights") -> None:
+    """The claim a sample's modelVolume names, bound to a static PV."""
+    kube.apply(dev.weights_volume(namespace, claim))
 
     def bound() -> bool:
-        pvc = kube.get("PersistentVolumeClaim", namespace, "omni-weights") or {}
+        pvc = kube.get("PersistentVolumeClaim", namespace, claim) or {}
         return pvc.get("status", {}).get("phase") == "Bound"
 
-    wait_for(bound, 60, f"PVC {namespace}/omni-weights Bound")
+    wait_for(bound, 60, f"PVC {namespace}/{claim} Bound")
 
 
 def wait_namespaces_gone(kube: Kube, timeout: float = 120) -> None:

@@ -23,8 +23,9 @@ def samples_ns(cluster, kube: Kube, operator):
     try:
         for path in SAMPLE_FILES:
             doc = load_sample(path.name)
-            if doc["spec"].get("modelVolume") and not kube.get("PersistentVolumeClaim", name, "omni-weights"):
-                weights(kube, name)
+            claim = (doc["spec"].get("modelVolume") or {}).get("claimName")
+            if claim and not kube.get("PersistentVolumeClaim", name, claim):
+                weights(kube, name, claim)
             kube.apply(with_namespace(doc, name))
             docs[path.name] = doc
         yield name, docs
