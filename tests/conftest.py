@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,3 +17,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fail what runs longer than `seconds` (SIGALRM) instead of hanging the suite: each
+    suite's autouse fixture wraps its tests in this."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"test ran longer than {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

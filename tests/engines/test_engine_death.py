@@ -21,6 +21,7 @@ from fleet_harness import Fleet, pipeline, wait_until  # noqa: E402
 
 from omnifleet_runtime.devsetup.tiny_model import ensure_tiny_model  # noqa: E402
 from omnifleet_runtime.stage import descendants  # noqa: E402
+from ..conftest import time_limit  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TEST_TIMEOUT_S = 300
@@ -28,14 +29,8 @@ TEST_TIMEOUT_S = 300
 
 @pytest.fixture(autouse=True)
 def overall_timeout():
-    def expired(signum, frame):
-        raise TimeoutError(f"test ran longer than {TEST_TIMEOUT_S}s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(TEST_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with time_limit(TEST_TIMEOUT_S):
+        yield
 
 
 def cmdline(pid: int) -> str:

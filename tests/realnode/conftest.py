@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from omnifleet_operator.devcluster.cluster import DevCluster
 from omnifleet_operator.localdemo import prepare
 
 from ..e2e.kube import Kube, wait_for
+from ..conftest import time_limit
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_TIMEOUT_S = 600
@@ -40,14 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def overall_timeout():
-    def expired(signum, frame):
-        raise TimeoutError(f"test ran longer than {TEST_TIMEOUT_S}s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(TEST_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with time_limit(TEST_TIMEOUT_S):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fleet_harness.py and stagefns.py
 
 from fleet_harness import Fleet  # noqa: E402
+from ..conftest import time_limit  # noqa: E402
 
 TEST_TIMEOUT_S = 90
 
@@ -19,15 +19,8 @@ TEST_TIMEOUT_S = 90
 @pytest.fixture(autouse=True)
 def overall_timeout():
     """Fail a test that runs longer than TEST_TIMEOUT_S instead of hanging the suite."""
-
-    def expired(signum, frame):
-        raise TimeoutError(f"test ran longer than {TEST_TIMEOUT_S}s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(TEST_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with time_limit(TEST_TIMEOUT_S):
+        yield
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

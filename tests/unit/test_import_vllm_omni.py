@@ -7,7 +7,6 @@ vLLM-Omni. A machine that cannot get the wheel fails these tests.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from omnifleet_operator.vllm_omni import topology
 from omnifleet_operator.vllm_omni.importer import DEFAULT_VERSION, import_deploy, load_topologies
 from omnifleet_operator.vllm_omni.wheel import ensure_unpacked, ensure_wheel
 
-from ..conftest import REPO
+from ..conftest import REPO, time_limit
 
 TEST_TIMEOUT_S = 300  # the first run downloads the 8 MB wheel
 # The counts the README quotes, for vLLM-Omni 0.30.0's bundled deploy files.
@@ -30,14 +29,8 @@ EXPECTED = {"files": 110, "converted": 93, "refused": 17}
 
 @pytest.fixture(autouse=True)
 def overall_timeout():
-    def expired(signum, frame):
-        raise TimeoutError(f"test ran longer than {TEST_TIMEOUT_S}s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(TEST_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with time_limit(TEST_TIMEOUT_S):
+        yield
 
 
 @pytest.fixture(scope="module")
