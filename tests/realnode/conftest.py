@@ -53,9 +53,9 @@ def model_dir() -> Path:
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     state = tmp_path_factory.mktemp("realnode")
     started = time.monotonic()
-    c = dev.up(state, real_node=True)
-    print(f"dev up (real node, images, operator in the cluster): {time.monotonic() - started:.0f}s", flush=True)
-    try:
+    try:  # a failure part-way through up() must not leave the node's processes behind either
+        c = dev.up(state, real_node=True)
+        print(f"dev up (real node, images, operator in the cluster): {time.monotonic() - started:.0f}s", flush=True)
         yield c
     finally:
         dev.down(state)

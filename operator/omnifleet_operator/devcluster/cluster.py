@@ -683,16 +683,18 @@ class DevCluster:
     def writes(self, user: str | None = None, since_line: int = 0) -> list[dict]:
         """Write requests (create/update/patch/delete) from the audit log, optionally of one user."""
         try:
-            lines = self.audit_log.read_text().splitlines()[since_line:]
+            text = self.audit_log.read_text()
         except OSError:
             return []
+        # The apiserver may be writing the last line right now: only complete lines count.
+        lines = text.split("\n")[:-1][since_line:]
         events = [json.loads(line) for line in lines if line.strip()]
         return [e for e in events if user is None or e.get("user", {}).get("username") == user]
 
     def audit_lines(self) -> int:
         """The audit log's length now: pass it as `since_line` to count later writes only."""
         try:
-            return len(self.audit_log.read_text().splitlines())
+            return self.audit_log.read_text().count("\n")  # complete lines, as writes() reads them
         except OSError:
             return 0
 
