@@ -202,7 +202,7 @@ def test_a_killed_stage_pod_under_load_retries_or_errors_and_its_replacement_ser
     cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=json", "-p",
                     json.dumps([{"op": "add", "path": "/spec/stages/1/replicas", "value": 2}]))
     wait_for(lambda: len([p for p in pipe.pods("omnifleet.dev/stage=writer")
-                          if all(s["ready"] for s in p["status"].get("containerStatuses") or [{}])]) == 2,
+                          if all(s.get("ready") for s in p["status"].get("containerStatuses") or [{}])]) == 2,
              420, lambda: "two ready writers\n" + describe_failure(cluster, pipe.ns))
     wait_ready(kube, cluster, pipe.ns, NAME)
     victim = pipe.pods("omnifleet.dev/stage=writer")[0]["metadata"]["name"]
