@@ -1,5 +1,6 @@
-"""All checks of a pipeline document: the schema's, the operator's own (object names), and,
-for the CLI only, that the callables it names exist.
+"""All checks of a pipeline document: the schema's, the operator's own (object names), the
+platform's policy (what the operator is started to allow), and, for the CLI only, that the
+callables it names exist.
 
 The operator never imports user code; `omnifleet validate` does, where the
 code is installed, so a sample or a file naming a function that does not
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
 from omnifleet_runtime.schema import OmniPipeline
@@ -18,11 +20,51 @@ from omnifleet_runtime.validate import Problem, parse_pipeline
 from .names import check_names
 
 
-def check_document(doc: Any) -> tuple[OmniPipeline | None, list[Problem]]:
+@dataclass(frozen=True)
+class Policy:
+    """What a platform team allows pipelines to ask for; refused by default.
+
+    hostPath volumes reach into a node's filesystem; LoadBalancer and
+    NodePort Services expose the master outside the cluster network. Both
+    are the platform's decision, not each pipeline author's.
+    """
+
+    allow_host_path: bool = False
+    allow_external_service: bool = False
+
+    @classmethod
+    def from_flags(cls, args: Any) -> "Policy":
+        return cls(allow_host_path=args.allow_host_path, allow_external_service=args.allow_external_service)
+
+
+PERMISSIVE = Policy(allow_host_path=True, allow_external_service=True)
+
+
+def add_policy_flags(parser: Any) -> None:
+    parser.add_argument("--allow-host-path", action="store_true",
+                        help="accept spec.modelVolume.hostPath (a node directory) (default: refused)")
+    parser.add_argument("--allow-external-service", action="store_true",
+                        help="accept spec.master.serviceType LoadBalancer or NodePort (default: refused)")
+
+
+def check_policy(doc: OmniPipeline, policy: Policy) -> list[Problem]:
+    out = []
+    mv = doc.spec.model_volume
+    if mv is not None and mv.host_path is not None and not policy.allow_host_path:
+        out.append(Problem("spec.modelVolume.hostPath", "hostPath volumes are refused by this operator (it runs "
+                           "without --allow-host-path); use claimName (a PersistentVolumeClaim)"))
+    service_type = doc.spec.master.service_type
+    if service_type != "ClusterIP" and not policy.allow_external_service:
+        out.append(Problem("spec.master.serviceType", f"{service_type} is refused by this operator (it runs "
+                           "without --allow-external-service); use ClusterIP behind an Ingress or Gateway"))
+    return out
+
+
+def check_document(doc: Any, policy: Policy = Policy()) -> tuple[OmniPipeline | None, list[Problem]]:
     """The parsed pipeline (None when invalid) and every problem found."""
     parsed, problems = parse_pipeline(doc)
     if parsed is not None:
-        problems = problems + check_names(parsed)
+        problems = problems + check_names(parsed) + check_policy(parsed, policy)
     return (None if problems else parsed), problems
 
 

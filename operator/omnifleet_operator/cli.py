@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .checks import check_callables, check_document
+from .checks import Policy, add_policy_flags, check_callables, check_document
 
 USAGE = """omnifleet COMMAND [ARGS]
 
@@ -20,6 +20,7 @@ USAGE = """omnifleet COMMAND [ARGS]
   crd [-o FILE]        print (or write) the generated CustomResourceDefinition
   import vllm-omni FILE [--pipeline NAME] [--name NAME] [--model M]
                        a vLLM-Omni deploy file as an OmniPipeline (stdout), or why not
+  dashboard [-f FILE] [-o OUT]  the Grafana dashboard (of one pipeline with -f)
   operator [ARGS]      run the operator (kopf) against the current kubeconfig
   run -f FILE [PATH=VALUE ...]        run a pipeline locally as plain processes
                        (PATH=VALUE: overrides of the spec, e.g. stages.talker.replicas=2)
@@ -54,7 +55,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.file:
         for label, doc in load_documents(path):
-            parsed, problems = check_document(with_overrides(doc, args.overrides))
+            parsed, problems = check_document(with_overrides(doc, args.overrides), Policy.from_flags(args))
             unchecked: list[str] = []
             if parsed is not None and not args.no_import:
                 problems, unchecked = check_callables(parsed)
@@ -77,7 +78,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     out = []
     for label, doc in load_documents(args.file):
-        parsed, problems = check_document(with_overrides(doc, args.overrides))
+        parsed, problems = check_document(with_overrides(doc, args.overrides), Policy.from_flags(args))
         if problems:
             for p in problems:
                 print(f"{label}: {p}", file=sys.stderr)
@@ -121,6 +122,27 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from .dashboard import dashboard_json
+
+    doc = None
+    if args.file:
+        (label, raw), *more = load_documents(args.file)
+        doc, problems = check_document(raw)
+        if problems or more:
+            for p in problems:
+                print(f"{label}: {p}", file=sys.stderr)
+            if more:
+                print(f"{args.file}: holds {len(more) + 1} documents; give one pipeline", file=sys.stderr)
+            return 1
+    text = dashboard_json(doc)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -151,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-import", action="store_true",
                    help="do not import the entrypoints and input processors to check that they exist")
     p.add_argument("overrides", nargs="*", metavar="PATH=VALUE", help="override of the spec (stages.NAME.FIELD=VALUE)")
+    add_policy_flags(p)  # the operator's flags: validate answers as an operator started with them would
     p.set_defaults(func=cmd_validate)
     p = sub.add_parser("render")
     p.add_argument("-f", "--file", required=True)
     p.add_argument("-n", "--namespace", help="namespace of the pipeline (default: its own, else 'default')")
     p.add_argument("overrides", nargs="*", metavar="PATH=VALUE", help="override of the spec (stages.NAME.FIELD=VALUE)")
+    add_policy_flags(p)
     p.set_defaults(func=cmd_render)
     p = sub.add_parser("import", help="convert another system's pipeline file")
     p.add_argument("source", choices=["vllm-omni"], help="the system the file comes from")
@@ -169,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("crd")
     p.add_argument("-o", "--output")
     p.set_defaults(func=cmd_crd)
+    p = sub.add_parser("dashboard")
+    p.add_argument("-f", "--file", help="a pipeline: its name and stages become the dashboard's defaults")
+    p.add_argument("-o", "--output")
+    p.set_defaults(func=cmd_dashboard)
     args = parser.parse_args(argv)
     return args.func(args)
 

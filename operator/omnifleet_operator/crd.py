@@ -86,7 +86,8 @@ STAGE_STATUS = {
         "readyReplicas": {"type": "integer", "description": "Pods that pass their readiness probe."},
         "updatedReplicas": {"type": "integer", "description": "Pods of the current template."},
         "desiredReplicas": {"type": "integer", "description": "Replicas wanted (by the spec or the autoscaler)."},
-        "registeredReplicas": {"type": "integer", "description": "Replicas registered with the master."},
+        "registeredReplicas": {"type": "integer", "description":
+                               "Replicas registered with the master (a stage pod is ready only while registered)."},
     },
 }
 

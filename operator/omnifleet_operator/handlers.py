@@ -15,14 +15,18 @@ import asyncio
 import logging
 import os
 import socket
+import sys
+import time
 from typing import Any
 
 import kopf
 
 from omnifleet_runtime import constants as C
 
+from . import metrics
 from .leader import Elector, LostLeadership
-from .reconcile import Api, AppliedCache, Children, event_object, now_iso, object_key, reconcile
+from .checks import Policy, add_policy_flags
+from .reconcile import Api, AppliedCache, Children, MasterReads, event_object, now_iso, object_key, reconcile
 from .status import Event
 
 log = logging.getLogger("omnifleet.operator")
@@ -45,6 +49,9 @@ CHILD_RESOURCES = [
     ("policy", "v1", "poddisruptionbudgets"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    ("", "v1", "secrets"),  # the pipeline's keys: a deleted or edited Secret is acted on at once
+    # Served only where the Prometheus Operator's CRDs are installed (kopf warns once otherwise).
+    ("monitoring.coreos.com", "v1", "podmonitors"),
 ]
 OWNED = {C.LABEL_PIPELINE: kopf.PRESENT}
 Key = tuple[str, str]
@@ -58,18 +65,22 @@ class WorkQueue:
         self._queued: set[Key] = set()
         self._active: set[Key] = set()
         self._again: set[Key] = set()
+        self._added: dict[Key, float] = {}  # when each queued key went in (for /metrics)
 
     def add(self, key: Key) -> None:
         if key in self._active:
             self._again.add(key)
         elif key not in self._queued:
             self._queued.add(key)
+            self._added[key] = time.monotonic()
             self._queue.put_nowait(key)
+            metrics.QUEUE_ADDS.labels(name=metrics.QUEUE).inc()
 
     async def get(self) -> Key:
         key = await self._queue.get()
         self._queued.discard(key)
         self._active.add(key)
+        metrics.QUEUE_WAIT.labels(name=metrics.QUEUE).observe(time.monotonic() - self._added.pop(key, time.monotonic()))
         return key
 
     def done(self, key: Key) -> None:
@@ -89,21 +100,81 @@ class State:
         self.indices: dict[str, Any] = {}
         self.tasks: list[asyncio.Task] = []
         self.api: Api | None = None
+        self.policy = Policy()  # what this operator was started to allow (flags)
         self.written: dict[str, dict[str, Any]] = {}  # by pipeline uid: the status last written
         self.written_at: dict[str, float] = {}  # by pipeline uid: when (loop time)
         self.held: set[Key] = set()  # pipelines with a progress change waiting to be written
         self.seen: dict[str, tuple] = {}  # by child uid: what of it a pass reads (see _matters)
+        self.specs: dict[str, tuple[Any, Any]] = {}  # by child uid: (generation, its kept spec), see _keep
         self.applied = AppliedCache()
+        self.master_reads = MasterReads()
         self.passes = 0
         self.errors = 0
+        self.leading = False  # this replica's workers run (it holds the Lease, or there is no election)
 
 
 STATE = State()
 
 
+def _phases() -> list[str]:
+    """Each known pipeline's phase: what this operator last wrote, else what the object says.
+    A follower reports none (the leader does), so sums over replicas count each pipeline once."""
+    out: list[str] = []
+    if not STATE.leading:
+        return out
+    for body in list(STATE.pipelines.values()):
+        status = STATE.written.get(body["metadata"].get("uid")) or body.get("status") or {}
+        out.append(status.get("phase") or "")
+    return out
+
+
+metrics.register_state(lambda: len(STATE.queue) if STATE.leading else 0, _phases, lambda: STATE.leading)
+
+
 def _plain(body: Any) -> dict[str, Any]:
-    # kopf hands out a fresh raw dict per event, so a shallow copy is a stable snapshot.
-    return dict(body)
+    """A pipeline as the operator keeps it: all but its managedFields. kopf hands out a fresh raw dict per
+    event, so copying only the top level and metadata is a stable snapshot."""
+    out = dict(body)
+    meta = out.get("metadata")
+    if isinstance(meta, dict) and "managedFields" in meta:
+        out["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    return out
+
+
+def _compact(value: Any) -> Any:
+    """A copy whose keys and short strings are shared with every other kept object: thousands of children
+    repeat the same field names and values, and a JSON decoder makes new strings for each."""
+    if isinstance(value, dict):
+        return {sys.intern(k): _compact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    if isinstance(value, str) and len(value) <= 64:
+        return sys.intern(value)
+    return value
+
+
+def _keep(body: Any, status: bool) -> dict[str, Any]:
+    """What the operator keeps of a child (memory at N pipelines is mostly this): no managedFields
+    (nothing reads them; they are as large as the rest again), no status unless asked, strings shared
+    (_compact), and the spec of the last event reused while the object's generation holds (most events
+    of a Deployment change only its status)."""
+    out: dict[str, Any] = {}
+    meta = body["metadata"]
+    uid, generation = meta.get("uid"), meta.get("generation")
+    for k, v in body.items():
+        if k == "metadata":
+            out["metadata"] = _compact({mk: mv for mk, mv in v.items() if mk != "managedFields"})
+        elif k == "status":
+            if status:
+                out["status"] = _compact(v)
+        elif k == "spec" and generation is not None:
+            kept = STATE.specs.get(uid)
+            if kept is None or kept[0] != generation:
+                kept = STATE.specs[uid] = (generation, _compact(v))
+            out["spec"] = kept[1]
+        else:
+            out[sys.intern(k)] = _compact(v)
+    return out
 
 
 def _spec_fingerprint(body: Any) -> tuple:
@@ -115,12 +186,13 @@ def _spec_fingerprint(body: Any) -> tuple:
 
 def _scheduling(body: Any) -> tuple:
     """All that pipeline status reads of a pod (with its labels, which the index keeps):
-    its scheduling, and why its containers last failed."""
+    its scheduling, why its containers last failed, and whether its engines loaded (started)."""
     scheduled = (None, None)
     for c in (body.get("status") or {}).get("conditions") or ():
         if c.get("type") == "PodScheduled":
             scheduled = (c.get("status"), c.get("reason"))
-    return scheduled + tuple(_failure(cs) for cs in (body.get("status") or {}).get("containerStatuses") or ())
+    return scheduled + tuple(_failure(cs) + (cs.get("started"),)
+                             for cs in (body.get("status") or {}).get("containerStatuses") or ())
 
 
 def _failure(cs: dict[str, Any]) -> tuple:
@@ -147,8 +219,11 @@ def _matters(event: dict[str, Any], body: Any, fingerprint: Any) -> bool:
 
 
 def _register_index(group: str, version: str, plural: str) -> None:
+    # Pipeline status reads a Deployment's status, and of no other kind.
+    keep_status = plural == "deployments"
+
     def index(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
-        return {(namespace, labels[C.LABEL_PIPELINE]): _plain(body)}
+        return {(namespace, labels[C.LABEL_PIPELINE]): _keep(body, keep_status)}
 
     kopf.index(group, version, plural, labels=OWNED, id=f"{plural}_idx")(index)
 
@@ -160,6 +235,7 @@ def _register_index(group: str, version: str, plural: str) -> None:
         _capture(kwargs)
         if event.get("type") == "DELETED":
             STATE.applied.forget(object_key(body))
+            STATE.specs.pop(body["metadata"].get("uid"), None)
         if _matters(event, body, fingerprint):
             STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
 
@@ -170,14 +246,17 @@ for _g, _v, _p in CHILD_RESOURCES:
     _register_index(_g, _v, _p)
 
 
+POD_CONTAINER_FIELDS = ("name", "state", "lastState", "restartCount", "started")
+
+
 @kopf.index("", "v1", "pods", labels=OWNED)
 def pods_idx(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
-    # Only what status needs: a pod's stage, its scheduling condition, and why its containers failed.
+    # Only what status needs: a pod's stage, its conditions, why its containers failed, whether they started.
     st = body.get("status") or {}
     return {(namespace, labels[C.LABEL_PIPELINE]): {
         "metadata": {"name": body["metadata"]["name"], "labels": dict(labels)},
         "status": {"conditions": list(st.get("conditions") or []),
-                   "containerStatuses": [{k: cs.get(k) for k in ("name", "state", "lastState", "restartCount")}
+                   "containerStatuses": [{k: cs.get(k) for k in POD_CONTAINER_FIELDS}
                                          for cs in st.get("containerStatuses") or []]},
     }}
 
@@ -197,6 +276,7 @@ def pipeline_event(event: dict[str, Any], namespace: str, name: str, body: Any, 
         STATE.pipelines.pop(key, None)
         STATE.written.pop(body["metadata"].get("uid"), None)
         STATE.written_at.pop(body["metadata"].get("uid"), None)
+        STATE.master_reads.forget(body["metadata"].get("uid"))
         return  # children go by garbage collection (owner references)
     STATE.pipelines[key] = _plain(body)
     STATE.queue.add(key)
@@ -218,8 +298,11 @@ def children_of(key: Key) -> Children:
 
 
 async def _work() -> None:
+    controller = metrics.CONTROLLER
     while True:
         key = await STATE.queue.get()
+        started, result = time.monotonic(), "error"
+        metrics.ACTIVE_WORKERS.labels(controller).inc()
         try:
             body = STATE.pipelines.get(key)
             if body is not None and not body["metadata"].get("deletionTimestamp"):
@@ -227,7 +310,8 @@ async def _work() -> None:
                 loop = asyncio.get_running_loop()
                 write_from = STATE.written_at.get(uid, -PROGRESS_WRITE_SECONDS) + PROGRESS_WRITE_SECONDS
                 outcome = await reconcile(STATE.api, body, children_of(key), last_status=STATE.written.get(uid),
-                                          cache=STATE.applied, hold_progress=loop.time() < write_from)
+                                          cache=STATE.applied, hold_progress=loop.time() < write_from,
+                                          policy=STATE.policy, master_reads=STATE.master_reads)
                 if outcome.status_written:
                     STATE.written[uid] = outcome.status
                     STATE.written_at[uid] = loop.time()
@@ -239,12 +323,19 @@ async def _work() -> None:
                     await _post_event(body, ev)
                 if outcome.applied or outcome.deleted:
                     log.info("%s/%s: applied %d, deleted %d", *key, outcome.applied, outcome.deleted)
+            result = "success"
         except asyncio.CancelledError:
+            result = ""
             raise
         except Exception:
             STATE.errors += 1
+            metrics.RECONCILE_ERRORS.labels(controller).inc()
             log.exception("%s/%s: reconcile failed; retrying on the next resync", *key)
         finally:
+            metrics.ACTIVE_WORKERS.labels(controller).dec()
+            if result:
+                metrics.RECONCILE_TOTAL.labels(controller, result).inc()
+                metrics.RECONCILE_TIME.labels(controller).observe(time.monotonic() - started)
             STATE.queue.done(key)
 
 
@@ -294,7 +385,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = WATCH_TIMEOUT
     settings.watching.client_timeout = WATCH_TIMEOUT + 10
     settings.networking.error_backoffs = [1, 2, 5]
-    STATE.api = Api()
+    STATE.api = Api(applies_in_flight=WORKERS)
     lease_ns = os.environ.get(ENV_LEADER_ELECTION_NAMESPACE)
     if lease_ns:
         STATE.tasks = [asyncio.create_task(_lead(lease_ns))]
@@ -303,6 +394,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _start_workers() -> None:
+    STATE.leading = True
     STATE.tasks += [asyncio.create_task(_work()) for _ in range(WORKERS)]
     STATE.tasks.append(asyncio.create_task(_resync()))
 
@@ -341,9 +433,18 @@ def main(argv: list[str]) -> int:
                         help="watch only this namespace (repeatable); default: all namespaces")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="kopf liveness endpoint (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=metrics.DEFAULT_PORT,
+                        help="port of /metrics (Prometheus text) on all interfaces; 0 serves none "
+                             "(default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true")
+    add_policy_flags(parser)
     args = parser.parse_args(argv)
+    STATE.policy = Policy.from_flags(args)
     kopf.configure(verbose=args.verbose)  # kopf's own log format, for every logger
+    metrics.count_watch_restarts(args.verbose)
+    metrics.MAX_WORKERS.labels(metrics.CONTROLLER).set(WORKERS)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     if not args.verbose:  # else one line per request and per handler call
         logging.getLogger("httpx2").setLevel(logging.WARNING)
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)

@@ -34,6 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from omnifleet_runtime.lifetime import parent_death_preexec
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PIPELINE = REPO / "manifests" / "samples" / "local" / "tiny-vllm.yaml"
 RUNNER = "import sys; from omnifleet_operator.cli import main; sys.exit(main())"
@@ -75,7 +77,7 @@ class Run:
         self.log = open(log_path, "w")
         self.popen = subprocess.Popen([sys.executable, "-c", RUNNER, "run", "-f", str(pipeline)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=parent_death_preexec(signal.SIGTERM))
         self.url: str | None = None
         self.failures: list[str] = []
         self.verbose = verbose
@@ -155,7 +157,7 @@ def usage(url: str, model: str, prompt: str) -> str:
         f"  python -c 'from openai import OpenAI; c = OpenAI(base_url=\"{url}/v1\", api_key=\"none\"); "
         f"print(c.chat.completions.create(model=\"{model}\", messages=[{{\"role\": \"user\", \"content\": "
         f"\"{prompt}\"}}]).choices[0].message.content)'\n\n"
-        f"  stages: curl {url}/v1/stages   readiness: curl {url}/ready   metrics: curl {url}/metrics\n"
+        f"  readiness: curl {url}/ready   metrics: curl {url}/metrics   (stages and control: the admin port above)\n"
     )
 
 

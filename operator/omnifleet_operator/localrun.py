@@ -6,14 +6,19 @@ ConfigMap is the config file they read. What a cluster provides is mapped to
 loopback: the master Service's DNS name becomes 127.0.0.1, the fixed ports
 become free ones (stage data ports are picked by each stage process, so no
 two replicas collide), and the downward-API env gets the local pod name.
+Secrets are not at hand locally: the admin port gets a fresh token, printed
+with its address, and an API key comes from $OMNIFLEET_API_KEY if set.
 Logs stream with a prefix per process. Ctrl-C drains and stops everything;
-so does one process exiting, which is named.
+so does one process exiting, which is named. Every process gets a parent-death
+signal (SIGTERM: it drains and exits), so a runner killed any other way (kill -9,
+an OOM kill, a closed terminal) leaves nothing running either.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -29,12 +34,17 @@ from typing import Any
 import yaml
 
 from omnifleet_runtime import constants as C
+from omnifleet_runtime.lifetime import parent_death_preexec
 
 from .checks import check_document
 from .overrides import OverrideError, apply_overrides
+from .checks import PERMISSIVE, check_document
+from .curvekeys import pipeline_keys, write_key_files
 from .render import desired
 
 # `omnifleet ARGS` with the interpreter running this runner (the console script may not be installed).
+# Where omnifleet_runtime lives, for a stage run with another environment's python.
+RUNTIME_SRC = Path(__file__).resolve().parents[2] / "runtime"
 OMNIFLEET = [sys.executable, "-c", "import sys; from omnifleet_operator.cli import main; sys.exit(main())"]
 STOP_TIMEOUT_S = C.DRAIN_TIMEOUT_S + 10
 
@@ -45,6 +55,7 @@ class LocalProcess:
     argv: list[str]
     env: dict[str, str]
     popen: subprocess.Popen | None = None
+    metrics_url: str = ""
 
 
 def free_port() -> int:
@@ -82,30 +93,39 @@ def _env(container: dict[str, Any], pod: str, namespace: str, configmap: dict[st
     return env
 
 
-def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], int]:
-    """The local processes for a pipeline document (master first), and the API port."""
-    doc, problems = check_document(doc_dict)
+@dataclass
+class Ports:
+    api: int
+    admin: int
+    admin_token: str
+
+
+def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], Ports]:
+    """The local processes for a pipeline document (master first), and where the master listens."""
+    doc, problems = check_document(doc_dict, PERMISSIVE)  # nothing is mounted from a node or exposed here
     if doc is None:
         raise SystemExit("omnifleet run: invalid pipeline:\n  " + "\n  ".join(map(str, problems)))
-    omni = [s.name for s in doc.spec.stages if s.type == "vllm-omni"]
-    if omni:
-        raise SystemExit(f"omnifleet run: stage(s) {', '.join(omni)} are vllm-omni stages, and this build has no "
-                         f"vllm-omni engine (vLLM-Omni's stage engines are not wired in yet); such a pipeline "
-                         f"validates and renders, it cannot run")
+    omni = {s.name for s in doc.spec.stages if s.type == "vllm-omni"}
+    omni_python = _vllm_omni_python(sorted(omni)) if omni else None
     objs = desired(doc)
     namespace = doc.metadata.namespace or "default"
     configmap = next(o for o in objs if o["kind"] == "ConfigMap")["data"]
     config = workdir / C.CONFIG_FILE
     config.write_text(configmap[C.CONFIG_FILE])
     api_port, control_port = free_port(), free_port()
+    # Ephemeral keys for this run: the local processes use CurveZMQ as pods do.
+    keys = write_key_files(workdir / "keys", pipeline_keys())
+    ports = Ports(api_port, free_port(), os.environ.get(C.ENV_ADMIN_TOKEN) or secrets.token_urlsafe(24))
     procs: list[LocalProcess] = []
     for dep in (o for o in objs if o["kind"] == "Deployment"):
         container = dep["spec"]["template"]["spec"]["containers"][0]
         component = dep["spec"]["template"]["metadata"]["labels"][C.LABEL_COMPONENT]
         args = _set_arg(container["args"], "--config", str(config))
         args = _set_arg(args, "--host", "127.0.0.1")
+        args = _set_arg(args, "--keys-dir", str(keys))
         if component == C.COMPONENT_MASTER:
             args = _set_arg(_set_arg(args, "--api-port", str(api_port)), "--control-port", str(control_port))
+            args = _set_arg(args, "--admin-port", str(ports.admin))
             replicas = 1
         else:
             args = _set_arg(args, "--master", f"127.0.0.1:{control_port}")  # the master Service's DNS name
@@ -114,9 +134,33 @@ def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], i
             replicas = max(dep["spec"].get("replicas", 1), 1)
         for i in range(replicas):
             pod = f"{dep['metadata']['name']}-{i}"
-            pod_args = args if component == C.COMPONENT_MASTER else _set_arg(args, "--health-port", str(free_port()))
-            procs.append(LocalProcess(pod, OMNIFLEET + pod_args, _env(container, pod, namespace, configmap)))
-    return procs, api_port
+            metrics = ports.api if component == C.COMPONENT_MASTER else free_port()
+            pod_args = args if component == C.COMPONENT_MASTER else _set_arg(
+                _set_arg(args, "--health-port", str(free_port())), "--metrics-port", str(metrics))
+            env = _env(container, pod, namespace, configmap)
+            if component == C.COMPONENT_MASTER:
+                env[C.ENV_ADMIN_TOKEN] = ports.admin_token
+            argv = OMNIFLEET + pod_args
+            if omni_python and omni & set(_stages_of(pod_args)):  # vLLM-Omni's stages run in its own environment
+                argv = [omni_python, "-m", "omnifleet_runtime", *pod_args]
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (str(RUNTIME_SRC), env.get("PYTHONPATH")) if p)
+            procs.append(LocalProcess(pod, argv, env, metrics_url=f"http://127.0.0.1:{metrics}/metrics"))
+    return procs, ports
+
+
+def _stages_of(args: list[str]) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--stage"]
+
+
+def _vllm_omni_python(stages: list[str]) -> str:
+    """vLLM-Omni's environment (its own vLLM), which vllm-omni stages run in; built beforehand."""
+    from omnifleet_runtime.devsetup import vllm_omni_env
+
+    if not vllm_omni_env.ready():
+        raise SystemExit(f"omnifleet run: stage(s) {', '.join(stages)} are vllm-omni stages, which run with "
+                         f"vLLM-Omni's own environment; build it first (once, about 7 GB): "
+                         f"python -m omnifleet_runtime.devsetup.vllm_omni_env")
+    return str(vllm_omni_env.env_python())
 
 
 def _pump(proc: LocalProcess, width: int, lock: threading.Lock) -> None:
@@ -177,26 +221,30 @@ def main(argv: list[str]) -> int:
         print(f"omnifleet run: {e}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="omnifleet-run-") as workdir:
-        procs, api_port = plan(doc, Path(workdir))
-        url = f"http://127.0.0.1:{api_port}"
+        procs, ports = plan(doc, Path(workdir))
+        url = f"http://127.0.0.1:{ports.api}"
         width = max(len(p.name) for p in procs)
         lock = threading.Lock()
         stopping = threading.Event()
         # Ctrl-C reaches only this runner (children have their own sessions), which stops them in order.
         old = signal.signal(signal.SIGINT, lambda *_: stopping.set())
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+        signal.signal(signal.SIGHUP, lambda *_: stopping.set())  # the terminal closed
         code = 0
         try:
             for proc in procs:
+                # Started from the main thread: the parent-death signal follows the forking thread.
                 proc.popen = subprocess.Popen(proc.argv, env=proc.env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, start_new_session=True)
+                                              stderr=subprocess.STDOUT, start_new_session=True,
+                                              preexec_fn=parent_death_preexec(signal.SIGTERM))
                 threading.Thread(target=_pump, args=(proc, width, lock), daemon=True).start()
             model = doc["metadata"]["name"]
             with lock:
-                print(f"omnifleet run: {len(procs)} processes; API {url}\n"
+                print(f"omnifleet run: {len(procs)} processes; API {url}; admin http://127.0.0.1:{ports.admin} "
+                      f"(Authorization: Bearer {ports.admin_token})\n"
                       f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-                      f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
-                      flush=True)
+                      f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'\n"
+                      f"  metrics: " + ", ".join(f"{p.name} {p.metrics_url}" for p in procs), flush=True)
             threading.Thread(target=_announce_ready, args=(url, procs), daemon=True).start()
             while not stopping.is_set():
                 failed = next((p for p in procs if p.popen.poll() is not None), None)

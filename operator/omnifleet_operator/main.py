@@ -159,7 +159,10 @@ This job keeps `kubectl port-forward -n {namespace} {svc} PORT:8000` running at 
   curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{json.dumps({**json.loads(body), 'stream': True})}'
   python -c 'from openai import OpenAI; c = OpenAI(base_url="{url}/v1", api_key="none"); \\
 print(c.chat.completions.create(model="{name}", messages=[{{"role": "user", "content": "{PROMPT}"}}]).choices[0].message.content)'
-  curl {url}/ready    curl {url}/v1/stages    curl {url}/metrics
+  curl {url}/ready    curl {url}/metrics
+
+Admin calls (/v1/stages, control RPCs) are on port 8001 of the master pod, not on its Service, and
+want the token of spec.master.adminTokenSecret (see the README's Security section).
 """, flush=True)
 
 
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print("== the tiny model and vLLM's CPU wheels", flush=True)
         model_dir = tiny_model()
         print("== omnifleet dev up", flush=True)
-        cluster = dev.up(args.state_dir)
+        cluster = dev.up(args.state_dir, owned=teardown)  # a killed `make run` leaves nothing running
         print(f"== deploying {PIPELINE.relative_to(REPO)}", flush=True)
         name = deploy(cluster, args.namespace, model_dir)
         print(f"== waiting (up to {args.timeout:.0f}s) for {args.namespace}/{name} to be Ready", flush=True)

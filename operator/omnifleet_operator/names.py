@@ -27,8 +27,17 @@ def service_account_name(pipeline: str) -> str:
     return f"{pipeline}-runtime"
 
 
+def keys_secret_name(pipeline: str) -> str:
+    """The Secret holding the pipeline's ZMQ keys (made by the operator, never rendered)."""
+    return f"{pipeline}{C.KEYS_SECRET_SUFFIX}"
+
+
 def network_policy_name(pipeline: str) -> str:
     return pipeline
+
+
+def egress_policy_name(pipeline: str) -> str:
+    return f"{pipeline}-egress"
 
 
 def stage_name(pipeline: str, stage: str) -> str:

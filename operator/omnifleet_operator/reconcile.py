@@ -7,16 +7,20 @@ I/O goes through `Api` (lightkube); the rest is pure and lives in `render`,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
+import json
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator
 
 from lightkube import ApiError, AsyncClient
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
-from lightkube.resources.core_v1 import ConfigMap, Service, ServiceAccount
+from lightkube.resources.core_v1 import ConfigMap, Secret, Service, ServiceAccount
 from lightkube.resources.core_v1 import Event as EventResource
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.resources.policy_v1 import PodDisruptionBudget
@@ -26,10 +30,11 @@ from omnifleet_runtime import constants as C
 from omnifleet_runtime.schema import OmniPipeline
 from omnifleet_runtime.validate import Problem
 
-from . import render
-from .checks import check_document
+from . import metrics, names, render
+from .checks import Policy, check_document
+from .curvekeys import pipeline_keys
 from .drift import is_subset
-from .status import Event, Observed, compute_status, decisive, transition_events
+from .status import Event, Observed, compute_status, decisive, transition_events, wants_master_report
 
 log = logging.getLogger("omnifleet.reconcile")
 Obj = dict[str, Any]
@@ -45,7 +50,44 @@ CHILD_KINDS = {
     ("policy/v1", "PodDisruptionBudget"): PodDisruptionBudget,
     ("autoscaling/v2", "HorizontalPodAutoscaler"): HorizontalPodAutoscaler,
     ("networking.k8s.io/v1", "NetworkPolicy"): NetworkPolicy,
+    ("v1", "Secret"): Secret,  # the pipeline's keys: made here, never rendered with data
+    # The Prometheus Operator's; only applied when a pipeline asks for it (spec.monitoring).
+    ("monitoring.coreos.com/v1", "PodMonitor"): create_namespaced_resource(
+        "monitoring.coreos.com", "v1", "PodMonitor", "podmonitors"),
 }
+
+
+# The master's /ready is read through the API server only while a stage's pods are loaded yet
+# unregistered, at most this often per pipeline; between reads the last answer stands.
+MASTER_READ_SECONDS = 15.0
+MASTER_READ_TIMEOUT_S = 3.0
+MASTER_READ_MAX_BYTES = 64 * 1024
+
+
+class MasterReads:
+    """The last /ready answer of each pipeline's master (by pipeline uid), read at a bounded cadence."""
+
+    def __init__(self, every_s: float = MASTER_READ_SECONDS, clock=time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self._last: dict[str, tuple[float, Obj | None]] = {}
+        self.reads = 0
+
+    async def report(self, api: "Api", uid: str, namespace: str, name: str) -> Obj | None:
+        now = self.clock()
+        hit = self._last.get(uid)
+        if hit is not None and now - hit[0] < self.every_s:
+            return hit[1]
+        self.reads += 1
+        try:
+            report = await api.master_ready(namespace, names.master_name(name))
+        except Exception as err:  # no answer says nothing: status stays as the Deployments have it
+            log.info("%s/%s: reading the master's /ready failed: %s", namespace, name, _api_error_text(err))
+            report = None
+        self._last[uid] = (now, report)
+        return report
+
+    def forget(self, uid: str) -> None:
+        self._last.pop(uid, None)
 
 
 def now_iso() -> str:
@@ -90,14 +132,25 @@ def event_object(body: Obj, event: Event, now: str, instance: str = "") -> Obj:
     }
 
 
-def parse(body: Obj) -> tuple[OmniPipeline | None, list[Problem]]:
+def parse(body: Obj, policy: Policy = Policy()) -> tuple[OmniPipeline | None, list[Problem]]:
     doc = {k: body.get(k) for k in ("apiVersion", "kind", "spec")}
     doc["metadata"] = {"name": body["metadata"]["name"], "namespace": body["metadata"].get("namespace")}
-    return check_document(doc)
+    return check_document(doc, policy)
 
 
 def _owned_by(obj: Obj, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+def controlled_by(obj: Obj, uid: str) -> bool:
+    """Whether this pipeline is the object's controller (the only objects it may write)."""
+    return any(ref.get("uid") == uid and ref.get("controller")
+               for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+def usable_keys(secret: Obj | None) -> bool:
+    data = (secret or {}).get("data") or {}
+    return all(data.get(k) for k in C.KEY_FILES)
 
 
 def object_key(obj: Obj) -> tuple[str, str, str, str]:
@@ -157,41 +210,171 @@ def plan(desired: list[Obj], children: Children, uid: str, cache: AppliedCache |
             out.pending.append(o)
         elif not is_subset(o, live):
             out.apply.append(o)
+    # The keys Secret is never rendered (its data is made here) and lives as long as the pipeline.
     out.delete = [o for o in children.objects
-                  if (o.get("apiVersion"), o.get("kind"), o["metadata"]["name"]) not in wanted and _owned_by(o, uid)]
+                  if (o.get("apiVersion"), o.get("kind"), o["metadata"]["name"]) not in wanted and _owned_by(o, uid)
+                  and o.get("kind") != "Secret"]
+    return out
+
+
+def _keys_hash_of(dep: Obj | None) -> str | None:
+    return (((dep or {}).get("spec", {}).get("template", {}).get("metadata") or {}).get("annotations") or {}).get(
+        C.ANNOTATION_KEYS_HASH)
+
+
+def _rolled(want: Obj, live: Obj | None) -> bool:
+    """Whether a stage Deployment's pods all run the wanted keys (its rollout to them is complete)."""
+    if live is None or _keys_hash_of(live) != _keys_hash_of(want):
+        return False
+    st = live.get("status") or {}
+    replicas = int(live.get("spec", {}).get("replicas", 1))
+    return (int(st.get("observedGeneration") or 0) >= int(live["metadata"].get("generation") or 0)
+            and int(st.get("updatedReplicas") or 0) >= replicas and int(st.get("readyReplicas") or 0) >= replicas
+            and int(st.get("replicas") or 0) == int(st.get("updatedReplicas") or 0))
+
+
+def _loaded(want: Obj, live: Obj | None, pods: list[Obj]) -> bool:
+    """Whether a stage Deployment has pods on the wanted keys and every pod of it has loaded its
+    engines (started). A pod on new keys cannot register with a master on the old ones, so it is not
+    ready (ready means registered) and the rollout goes no further than its surge pod until the master
+    moves to the new keys."""
+    if live is None or _keys_hash_of(live) != _keys_hash_of(want):
+        return False
+    st = live.get("status") or {}
+    if (int(st.get("observedGeneration") or 0) < int(live["metadata"].get("generation") or 0)
+            or int(st.get("updatedReplicas") or 0) < min(1, int(live.get("spec", {}).get("replicas", 1)))):
+        return False
+    stage = want["spec"]["template"]["metadata"]["labels"].get(C.LABEL_STAGE)
+    mine = [p for p in pods if (p.get("metadata", {}).get("labels") or {}).get(C.LABEL_STAGE) == stage]
+    if len(mine) < int(st.get("replicas") or 0):  # a pod the Deployment made is not in the index yet
+        return False
+    return all((p.get("status") or {}).get("containerStatuses")
+               and all(cs.get("started") is True for cs in p["status"]["containerStatuses"]) for p in mine)
+
+
+def master_keys_hold(wanted: list[Obj], children: Children) -> str | None:
+    """The keys hash the master keeps while new keys roll through the stages (None: no hold).
+
+    New stage pods cannot register with a master on the old keys, and old ones
+    cannot with a master on the new keys. Stages roll first (maxUnavailable 0:
+    the old pods serve with the old master), the master once each stage's new
+    pods have loaded their engines, so the pipeline is without replicas only
+    for the master's restart, not for a model load. (A new pod is ready only once
+    registered, so its rollout waits for the master on the new keys.)
+    """
+    master = next((o for o in wanted if o["kind"] == "Deployment"
+                   and o["spec"]["template"]["metadata"]["labels"].get(C.LABEL_COMPONENT) == C.COMPONENT_MASTER), None)
+    if master is None:
+        return None
+    live = children.find("apps/v1", "Deployment", master["metadata"]["name"])
+    if live is None or _keys_hash_of(live) == _keys_hash_of(master):
+        return None
+    stages = [o for o in wanted if o["kind"] == "Deployment" and o is not master]
+    if all(_rolled(o, live) or _loaded(o, live, children.pods)
+           for o in stages for live in [children.find("apps/v1", "Deployment", o["metadata"]["name"])]):
+        return None
+    return _keys_hash_of(live)
+
+
+async def find_conflicts(api: "Api", wanted: list[Obj], children: Children, uid: str,
+                         cache: AppliedCache | None) -> list[str]:
+    """Objects holding a wanted child's name that this pipeline does not control.
+
+    The watch sees only labeled objects; one about to be created (not in it,
+    not just created by this operator) is read once, so an unlabeled object
+    of that name is found too.
+    """
+    out = []
+    for o in wanted:
+        live = children.find(o["apiVersion"], o["kind"], o["metadata"]["name"])
+        if live is None and not (cache is not None and cache.pending(o, None)):
+            live = await api.get(o)
+        if live is not None and not controlled_by(live, uid):
+            out.append(f"{o['kind']}/{o['metadata']['name']}")
     return out
 
 
 class Api:
-    """The few writes the operator makes, through lightkube's async client."""
+    """The few writes the operator makes, through lightkube's async client. `applies_in_flight`: at most
+    that many applies at once, from all passes together (a pass sends its children's applies at once)."""
 
-    def __init__(self, client: AsyncClient | None = None):
+    def __init__(self, client: AsyncClient | None = None, applies_in_flight: int = 8):
         self.client = client or AsyncClient(field_manager=C.FIELD_MANAGER)
+        self.slots = asyncio.Semaphore(applies_in_flight)
 
     async def apply(self, obj: Obj) -> int | None:
         """Server-side apply; the resourceVersion of the result."""
         res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
-        out = await self.client.patch(res, obj["metadata"]["name"], obj, namespace=obj["metadata"]["namespace"],
-                                      patch_type=PatchType.APPLY, field_manager=C.FIELD_MANAGER, force=True)
+        async with self.slots:
+            with _counted(obj["kind"], "apply"):
+                out = await self.client.patch(res, obj["metadata"]["name"], obj,
+                                              namespace=obj["metadata"]["namespace"], patch_type=PatchType.APPLY,
+                                              field_manager=C.FIELD_MANAGER, force=True)
         try:
             return int(out.metadata.resourceVersion)
         except (AttributeError, TypeError, ValueError):
             return None
 
-    async def delete(self, obj: Obj) -> None:
+    async def get(self, obj: Obj) -> Obj | None:
+        """The live object of obj's kind and name, or None."""
         res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
         try:
-            await self.client.delete(res, obj["metadata"]["name"], namespace=obj["metadata"]["namespace"])
+            out = await self.client.get(res, obj["metadata"]["name"], namespace=obj["metadata"]["namespace"])
         except ApiError as err:
-            if err.status.code != 404:
-                raise
+            if err.status.code == 404:
+                return None
+            raise
+        return out.to_dict()
+
+    async def delete(self, obj: Obj) -> None:
+        res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
+        with _counted(obj["kind"], "delete"):
+            try:
+                await self.client.delete(res, obj["metadata"]["name"], namespace=obj["metadata"]["namespace"])
+            except ApiError as err:
+                if err.status.code != 404:
+                    raise
+
+    async def master_ready(self, namespace: str, service: str) -> Obj | None:
+        """The master's open /ready through the API server's service proxy (RBAC: services/proxy get).
+        Its JSON body (200 or 503), or None for anything else; read up to a bound, as it comes from a pod."""
+        http = self.client._client._client  # lightkube's httpx client: the API server's URL and credentials
+        path = f"/api/v1/namespaces/{namespace}/services/{service}:{C.PORT_NAME_HTTP}/proxy/ready"
+        async with http.stream("GET", path, timeout=MASTER_READ_TIMEOUT_S) as resp:
+            if resp.status_code not in (200, 503):
+                return None
+            body = b""
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if len(body) > MASTER_READ_MAX_BYTES:
+                    return None
+        try:
+            out = json.loads(body)
+        except ValueError:
+            return None
+        return out if isinstance(out, dict) else None
 
     async def post_event(self, event: Obj) -> None:
-        await self.client.create(EventResource.from_dict(event), namespace=event["metadata"]["namespace"])
+        with _counted("Event", "create"):
+            await self.client.create(EventResource.from_dict(event), namespace=event["metadata"]["namespace"])
 
     async def write_status(self, namespace: str, name: str, status: Obj) -> None:
-        await self.client.patch(OmniPipelineResource.Status, name, {"status": status}, namespace=namespace,
-                                patch_type=PatchType.MERGE)
+        with _counted(C.KIND, "status"):
+            await self.client.patch(OmniPipelineResource.Status, name, {"status": status}, namespace=namespace,
+                                    patch_type=PatchType.MERGE)
+
+
+@contextlib.contextmanager
+def _counted(kind: str, verb: str) -> Iterator[None]:
+    """Count one write (or its failure) for /metrics."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        metrics.count_write(kind, verb, ok=False)
+        raise
+    metrics.count_write(kind, verb, ok=True)
 
 
 def _api_error_text(err: Exception) -> str:
@@ -210,9 +393,9 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
 
 
-async def reconcile(api: Api, body: Obj, children: Children, registered: dict[str, int] | None = None,
-                    last_status: Obj | None = None, cache: AppliedCache | None = None,
-                    hold_progress: bool = False) -> Outcome:
+async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | None = None,
+                    cache: AppliedCache | None = None, hold_progress: bool = False, policy: Policy = Policy(),
+                    master_reads: MasterReads | None = None) -> Outcome:
     """One pass. Writes only what differs; never raises for a bad spec.
 
     `last_status` is the status this operator last wrote for this object: a
@@ -220,40 +403,83 @@ async def reconcile(api: Api, body: Obj, children: Children, registered: dict[st
     with it rather than with the older status in `body`, so it neither writes
     the same status twice nor repeats its events. With `hold_progress`, a
     change of progress only (see `status.decisive`) is not written; the
-    caller runs the pass again when it wants it written.
+    caller runs the pass again when it wants it written. With `master_reads`,
+    the master's /ready is read when only it can say why a stage waits.
     """
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace", "default"), meta["uid"]
     generation = int(meta.get("generation") or 0)
     outcome = Outcome()
-    doc, problems = parse(body)
+    doc, problems = parse(body, policy)
     apply_error = None
     applied: list[str] = []
+    conflicts: list[str] = []
     if doc is not None:
-        # The CR's namespace is where children go, whatever the spec document said.
-        todo = plan(render.desired(doc, owner_uid=uid), children, uid, cache)
+        try:
+            secret = render.build_keys_secret(doc, {}, uid)
+            live_secret = children.find("v1", "Secret", secret["metadata"]["name"]) or await api.get(secret)
+            keys_hash = render.secret_data_hash(live_secret["data"]) if usable_keys(live_secret) else None
+            # The CR's namespace is where children go, whatever the spec document said.
+            wanted = render.desired(doc, owner_uid=uid, keys_hash=keys_hash)
+            conflicts = await find_conflicts(api, wanted, children, uid, cache)
+            if live_secret is not None and not controlled_by(live_secret, uid):
+                conflicts.append(f"Secret/{secret['metadata']['name']}")
+            if not conflicts and keys_hash is None:
+                # No keys yet (or the Secret was deleted or emptied): new ones; the pods roll onto them.
+                secret = render.build_keys_secret(doc, pipeline_keys(), uid)
+                await api.apply(secret)
+                applied.append(f"Secret/{secret['metadata']['name']}")
+                outcome.applied += 1
+                wanted = render.desired(doc, owner_uid=uid, keys_hash=render.secret_data_hash(secret["data"]))
+        except Exception as err:  # reported in status; the next pass retries
+            apply_error, wanted = _api_error_text(err), []
+            log.warning("%s/%s: reading children failed: %s", namespace, name, apply_error)
+        if conflicts:
+            log.warning("%s/%s: name conflict, touching nothing: %s", namespace, name, ", ".join(conflicts))
+            wanted = []
+        elif (held := master_keys_hold(wanted, children)) is not None:
+            master = render.build_master_deployment(doc, uid, held)
+            wanted = [master if (o["kind"], o["metadata"]["name"]) == ("Deployment", master["metadata"]["name"])
+                      else o for o in wanted]
+        todo = plan(wanted, children, uid, cache) if wanted else Plan([], [])
         # Status must not call pending objects observed: what `children` shows of them is older.
         applied += [f"{o['kind']}/{o['metadata']['name']}" for o in todo.pending]
+        # All of a pipeline's applies at once (Api bounds how many are in flight): one after the other,
+        # a few pipelines would leave the apiserver idle between round trips.
+        write_error = None
+        results = await asyncio.gather(*(api.apply(obj) for obj in todo.apply), return_exceptions=True)
+        for obj, rv in zip(todo.apply, results):
+            if isinstance(rv, asyncio.CancelledError):
+                raise rv
+            if isinstance(rv, BaseException):  # reported in status; the next pass retries
+                write_error = write_error or _api_error_text(rv)
+                continue
+            if cache is not None:
+                cache.record(obj, rv)
+            applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+            outcome.applied += 1
         try:
-            for obj in todo.apply:
-                rv = await api.apply(obj)
-                if cache is not None:
-                    cache.record(obj, rv)
-                applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
-                outcome.applied += 1
-            for obj in todo.delete:
+            for obj in todo.delete if write_error is None else ():
                 await api.delete(obj)
                 outcome.deleted += 1
-        except Exception as err:  # reported in status; the next pass retries
-            apply_error = _api_error_text(err)
+        except Exception as err:
+            write_error = _api_error_text(err)
+        if write_error is not None:
+            apply_error = write_error
             log.warning("%s/%s: apply failed: %s", namespace, name, apply_error)
 
     deployments = {o["metadata"]["name"]: o for o in children.objects if o.get("kind") == "Deployment"}
     prior = last_status if last_status is not None else (body.get("status") or {})
+    observed = Observed(deployments=deployments, pods=children.pods)
+    if master_reads is not None:
+        if doc is not None and wants_master_report(doc, observed):
+            observed = replace(observed, master=await master_reads.report(api, uid, namespace, name))
+        else:
+            master_reads.forget(uid)
     status = compute_status(
         name=name, namespace=namespace, generation=generation, doc=doc, problems=problems,
-        observed=Observed(deployments=deployments, pods=children.pods, registered=registered),
-        prior=prior, now=now_iso(), apply_error=apply_error, applied=applied,
+        observed=observed,
+        prior=prior, now=now_iso(), apply_error=apply_error, applied=applied, conflicts=conflicts,
     )
     outcome.status = status
     if status != prior and hold_progress and decisive(status) == decisive(prior):

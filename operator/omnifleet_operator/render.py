@@ -7,6 +7,7 @@ tests can pin them down.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from typing import Any
@@ -30,11 +31,19 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 INFLIGHT_METRIC = "omnifleet_stage_inflight"
 SCALE_FIELDS = ("replicas", "autoscaling")
+# Pod fields no process reads: they change the template (and so roll the pods) but not the config hash.
+POD_ONLY_FIELDS = ("podAnnotations",)
 
 
 def stable_hash(value: Any) -> str:
     blob = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def startup_failures(group) -> int:
+    """Startup probe failures (10 s apart) a stage pod is allowed: its slowest engine start timeout, and a minute."""
+    longest = max(s.engine_start_timeout_seconds or C.ENGINE_START_TIMEOUT_S for s in group)
+    return -(-longest // 10) + 6
 
 
 def namespace_of(doc: OmniPipeline) -> str:
@@ -75,9 +84,9 @@ def group_view(doc: OmniPipeline, host: str) -> Obj:
     """What a host stage's pods read from the config: its group and the defaults."""
     d = dump(resolve(doc))["spec"]
     # Scale-only fields stay out, so scaling never restarts pods.
-    group = [{k: v for k, v in s.items() if k not in SCALE_FIELDS}
+    group = [{k: v for k, v in s.items() if k not in SCALE_FIELDS + POD_ONLY_FIELDS}
              for s in d["stages"] if s["name"] == host or s.get("colocateWith") == host]
-    return {k: d.get(k) for k in ("model", "image", "modelVolume")} | {"stages": group}
+    return {k: d.get(k) for k in ("model", "image", "modelVolume", "security")} | {"stages": group} | _heartbeat(d)
 
 
 def master_view(doc: OmniPipeline) -> Obj:
@@ -88,8 +97,14 @@ def master_view(doc: OmniPipeline) -> Obj:
     """
     keep = ROUTING_FIELDS + ("model", "samplingParams")
     d = dump(resolve(doc))["spec"]
-    return {"model": d.get("model"), "master": d["master"],
-            "stages": [{k: s[k] for k in keep if k in s} for s in d["stages"]]}
+    master = {k: v for k, v in d["master"].items() if k not in POD_ONLY_FIELDS}
+    return {"model": d.get("model"), "master": master, "security": d["security"],
+            "stages": [{k: s[k] for k in keep if k in s} for s in d["stages"]]} | _heartbeat(d)
+
+
+def _heartbeat(spec: Obj) -> Obj:
+    # Only when set, so pipelines without it keep their hashes (and their pods).
+    return {"heartbeat": spec["heartbeat"]} if "heartbeat" in spec else {}
 
 
 def labels(doc: OmniPipeline, component: str | None = None, stage: str | None = None) -> dict[str, str]:
@@ -204,6 +219,22 @@ def user_mounts(*groups: list[VolumeMount]) -> list[Obj]:
     return list(out.values())
 
 
+# The pipeline's keys: a whole volume, not subPath, so an edited Secret reaches running pods' files.
+KEYS_MOUNT = {"name": "keys", "mountPath": C.KEYS_DIR, "readOnly": True}
+KEYS_MODE = 0o440  # owner root, group fsGroup: the runtime's user reads, nobody writes
+
+
+def keys_volume(doc: OmniPipeline) -> Obj:
+    return {"name": "keys", "secret": {"secretName": names.keys_secret_name(doc.metadata.name),
+                                       "defaultMode": KEYS_MODE}}
+
+
+def keys_annotation(template: Obj, keys_hash: str | None) -> None:
+    """A hash of the Secret's data on the pod template: new keys roll the pods."""
+    if keys_hash is not None:
+        template["metadata"]["annotations"][C.ANNOTATION_KEYS_HASH] = keys_hash
+
+
 def http_probe(path: str, port: str, period: int, failures: int) -> Obj:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "timeoutSeconds": 3, "failureThreshold": failures}
@@ -257,7 +288,7 @@ def build_config_map(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {C.CONFIG_FILE: text}}
 
 
-def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None, keys_hash: str | None = None) -> Obj:
     m = doc.spec.master
     name = names.master_name(doc.metadata.name)
     container = {
@@ -268,8 +299,11 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> 
         "ports": [
             {"name": C.PORT_NAME_HTTP, "containerPort": m.api_port, "protocol": "TCP"},
             {"name": C.PORT_NAME_CONTROL, "containerPort": C.MASTER_CONTROL_PORT, "protocol": "TCP"},
+            # Not in the master Service: reached through the pod (port-forward) or the sources
+            # spec.master.adminSources lets in.
+            {"name": C.PORT_NAME_ADMIN, "containerPort": C.MASTER_ADMIN_PORT, "protocol": "TCP"},
         ],
-        "env": env_list(m.env, extra=DOWNWARD_ENV),
+        "env": env_list(m.env, extra=DOWNWARD_ENV + master_secret_env(doc)),
         "resources": resources_of([m.resources], 0),
         # Readiness is the process being up: stages reach the master through this
         # Service, so gating it on registered stages would deadlock. Pipeline
@@ -277,7 +311,7 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> 
         "startupProbe": http_probe("/health", C.PORT_NAME_HTTP, 2, 60),
         "readinessProbe": http_probe("/health", C.PORT_NAME_HTTP, 5, 3),
         "livenessProbe": http_probe("/health", C.PORT_NAME_HTTP, 10, 6),
-        "volumeMounts": [CONFIG_MOUNT, TMP_MOUNT, *user_mounts(m.volume_mounts)],
+        "volumeMounts": [CONFIG_MOUNT, KEYS_MOUNT, TMP_MOUNT, *user_mounts(m.volume_mounts)],
         "securityContext": CONTAINER_SECURITY,
         # A crash's last log lines (the reason) show in the pod's status and `kubectl describe`.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -285,13 +319,16 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> 
     template = {
         "metadata": {
             "labels": labels(doc, C.COMPONENT_MASTER),
-            "annotations": {C.ANNOTATION_CONFIG_HASH: stable_hash(master_view(doc))},
+            "annotations": dict(sorted(m.pod_annotations.items())) | {
+                C.ANNOTATION_CONFIG_HASH: stable_hash(master_view(doc))},
         },
-        "spec": pod_spec(doc, container, [config_volume(doc), TMP_VOLUME, *user_volumes(m.volumes)],
+        "spec": pod_spec(doc, container,
+                         [config_volume(doc), keys_volume(doc), TMP_VOLUME, *user_volumes(m.volumes)],
                          MASTER_GRACE_SECONDS,
                          node_selector=m.node_selector, tolerations=tolerations_list(m.tolerations),
                          affinity=None),
     }
+    keys_annotation(template, keys_hash)
     return with_template_hash({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": metadata(doc, name, labels(doc, C.COMPONENT_MASTER), owner_uid),
@@ -304,6 +341,16 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None) -> 
             "template": template,
         },
     })
+
+
+def master_secret_env(doc: OmniPipeline) -> list[Obj]:
+    """The API key and the admin token, read from the Secrets the spec names (never from the ConfigMap)."""
+    m = doc.spec.master
+    out = []
+    for env, ref in ((C.ENV_API_KEY, m.api_key_secret), (C.ENV_ADMIN_TOKEN, m.admin_token_secret)):
+        if ref is not None:
+            out.append({"name": env, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return out
 
 
 def build_master_service(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
@@ -323,7 +370,8 @@ def build_master_service(doc: OmniPipeline, owner_uid: str | None = None) -> Obj
     }
 
 
-def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None = None) -> Obj:
+def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None = None,
+                           keys_hash: str | None = None) -> Obj:
     resolved = resolve(doc)
     group = resolved.spec.group(host)
     h = group[0]
@@ -335,10 +383,12 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
     ports = [{"name": names.data_port_name(i), "containerPort": C.STAGE_DATA_PORT + i, "protocol": "TCP"}
              for i in range(len(group))]
     ports.append({"name": C.PORT_NAME_HEALTH, "containerPort": C.STAGE_HEALTH_PORT, "protocol": "TCP"})
+    ports.append({"name": C.PORT_NAME_METRICS, "containerPort": C.STAGE_METRICS_PORT, "protocol": "TCP"})
     pod_ip = {"name": C.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    mounts = [CONFIG_MOUNT, TMP_MOUNT, {"name": "dshm", "mountPath": C.SHM_DIR}]
+    mounts = [CONFIG_MOUNT, KEYS_MOUNT, TMP_MOUNT, {"name": "dshm", "mountPath": C.SHM_DIR}]
     shm = quantity.add(*(s.shm_size for s in group))
-    volumes = [config_volume(doc), TMP_VOLUME, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    volumes = [config_volume(doc), keys_volume(doc), TMP_VOLUME,
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
     mv = doc.spec.model_volume
     if mv:
         mount = {"name": "models", "mountPath": C.MODEL_DIR, "readOnly": True}
@@ -357,8 +407,10 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
         "ports": ports,
         "env": env_list(*(s.env for s in group), extra=DOWNWARD_ENV + [pod_ip]),
         "resources": resources_of([s.resources for s in group], h.gpus),
-        # Loading a model can take many minutes: the startup probe allows 30.
-        "startupProbe": http_probe("/livez", C.PORT_NAME_HEALTH, 10, 180),
+        # Started: every engine loaded. The probe outlasts the engines' own start timeout (they load at
+        # once, one process each), which stops a load that hangs with the reason in its last log line.
+        # Ready: registered with the master and not draining, so ready replicas are registered ones.
+        "startupProbe": http_probe("/startedz", C.PORT_NAME_HEALTH, 10, startup_failures(group)),
         "readinessProbe": http_probe("/readyz", C.PORT_NAME_HEALTH, 5, 3),
         "livenessProbe": http_probe("/livez", C.PORT_NAME_HEALTH, 10, 6),
         "volumeMounts": mounts,
@@ -367,13 +419,15 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     node_selector: dict[str, str] = {}
+    annotations: dict[str, str] = {}
     for s in group:
         node_selector |= s.node_selector
+        annotations |= s.pod_annotations
     tolerations = tolerations_list(*(s.tolerations for s in group), extra=[GPU_TOLERATION] if h.gpus else [])
     template = {
         "metadata": {
             "labels": labels(doc, C.COMPONENT_STAGE, host),
-            "annotations": {
+            "annotations": dict(sorted(annotations.items())) | {
                 C.ANNOTATION_CONFIG_HASH: stable_hash(group_view(doc, host)),
                 C.ANNOTATION_STAGES: ",".join(s.name for s in group),
             },
@@ -381,6 +435,7 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
         "spec": pod_spec(doc, container, volumes, STAGE_GRACE_SECONDS,
                          node_selector=node_selector, tolerations=tolerations, affinity=h.affinity),
     }
+    keys_annotation(template, keys_hash)
     spec: Obj = {
         # Keep serving capacity during a roll; a surge pod waits for a GPU if none is free.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -446,11 +501,15 @@ def build_stage_hpa(doc: OmniPipeline, host: str, owner_uid: str | None = None) 
 
 
 def build_network_policy(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
-    """ZMQ ports only from this pipeline's pods; the API and probe ports from anywhere."""
+    """ZMQ ports only from this pipeline's pods; the API, probe and metrics ports from anywhere; the admin
+    port only from spec.master.adminSources (no rule, so no source, when it is empty)."""
     p = doc.metadata.name
     max_group = max(len(doc.spec.group(h.name)) for h in doc.spec.hosts())
     internal = [{"protocol": "TCP", "port": C.PORT_NAME_CONTROL}] + [
         {"protocol": "TCP", "port": names.data_port_name(i)} for i in range(max_group)]
+    sources = [peer.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+               for peer in doc.spec.master.admin_sources]
+    admin = [{"from": sources, "ports": [{"protocol": "TCP", "port": C.PORT_NAME_ADMIN}]}] if sources else []
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": metadata(doc, names.network_policy_name(p), labels(doc), owner_uid),
@@ -460,27 +519,103 @@ def build_network_policy(doc: OmniPipeline, owner_uid: str | None = None) -> Obj
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": {C.LABEL_PIPELINE: p}}}], "ports": internal},
                 {"ports": [{"protocol": "TCP", "port": C.PORT_NAME_HTTP},
-                           {"protocol": "TCP", "port": C.PORT_NAME_HEALTH}]},
+                           {"protocol": "TCP", "port": C.PORT_NAME_HEALTH},
+                           {"protocol": "TCP", "port": C.PORT_NAME_METRICS}]},
+            ] + admin,
+        },
+    }
+
+
+def build_keys_secret(doc: OmniPipeline, keys: dict[str, str], owner_uid: str | None = None) -> Obj:
+    """The Secret of the pipeline's ZMQ keys; the keys themselves come from the caller (the operator makes them)."""
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": metadata(doc, names.keys_secret_name(doc.metadata.name), labels(doc), owner_uid),
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(keys.items())},
+    }
+
+
+def secret_data_hash(data: dict[str, str]) -> str:
+    """What the pod templates carry of the Secret: a hash of its (base64) data."""
+    return stable_hash(data)
+
+
+def build_egress_policy(doc: OmniPipeline, owner_uid: str | None = None) -> Obj | None:
+    """Stage pods connect only to the pipeline's pods and DNS, unless a stage of the pod asks for any."""
+    p = doc.metadata.name
+    open_hosts = sorted({s.colocate_with or s.name for s in doc.spec.stages if s.egress == "any"})
+    if len(open_hosts) == len(doc.spec.hosts()):
+        return None
+    pods: Obj = {"matchLabels": {C.LABEL_PIPELINE: p, C.LABEL_OF_COMPONENT: C.COMPONENT_STAGE}}
+    if open_hosts:
+        pods["matchExpressions"] = [{"key": C.LABEL_STAGE, "operator": "NotIn", "values": open_hosts}]
+    # DNS: one rule per protocol (the drift check matches list items by port; two items of port 53 would not do).
+    dns = [{"ports": [{"protocol": proto, "port": 53}]} for proto in ("UDP", "TCP")]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": metadata(doc, names.egress_policy_name(p), labels(doc), owner_uid),
+        "spec": {
+            "podSelector": pods,
+            "policyTypes": ["Egress"],
+            "egress": [
+                {"to": [{"podSelector": {"matchLabels": {C.LABEL_PIPELINE: p}}}]},
+                *dns,
             ],
         },
     }
 
 
-def desired(doc: OmniPipeline, owner_uid: str | None = None) -> list[Obj]:
-    """Every child of a valid pipeline, in apply order."""
+def build_pod_monitor(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+    """Scrape every pod of the pipeline: the master's /metrics on its API port, each stage pod's on `metrics`.
+
+    A PodMonitor, not a ServiceMonitor: the stage Services are headless and carry
+    only data ports, and each stage pod is its own target anyway. The master's
+    per-replica series name the stage pod in their own `pod` label, so its
+    endpoint honors the scraped labels.
+    """
+    m = doc.spec.monitoring
+    assert m is not None
+    p = doc.metadata.name
+    # Every series gets its pipeline's name (what the dashboard selects by).
+    relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{_prom_label(C.LABEL_PIPELINE)}"],
+                "targetLabel": "pipeline"}]
+    meta = metadata(doc, p, labels(doc) | dict(sorted(m.labels.items())), owner_uid)
+    return {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
+        "spec": {
+            "selector": {"matchLabels": {C.LABEL_PIPELINE: p}},
+            "podMetricsEndpoints": [
+                {"port": C.PORT_NAME_HTTP, "path": "/metrics", "interval": m.interval, "honorLabels": True,
+                 "relabelings": relabel},
+                {"port": C.PORT_NAME_METRICS, "path": "/metrics", "interval": m.interval, "relabelings": relabel},
+            ],
+        },
+    }
+
+
+def _prom_label(key: str) -> str:
+    """A Kubernetes label key as Prometheus' service discovery spells it."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in key)
+
+
+def desired(doc: OmniPipeline, owner_uid: str | None = None, keys_hash: str | None = None) -> list[Obj]:
+    """Every child of a valid pipeline, in apply order (not its keys Secret: see build_keys_secret)."""
     objs = [
         build_service_account(doc, owner_uid),
         build_config_map(doc, owner_uid),
         build_network_policy(doc, owner_uid),
-        build_master_deployment(doc, owner_uid),
+        *filter(None, [build_egress_policy(doc, owner_uid)]),
+        build_master_deployment(doc, owner_uid, keys_hash),
         build_master_service(doc, owner_uid),
     ]
     for host in doc.spec.hosts():
         objs += [
-            build_stage_deployment(doc, host.name, owner_uid),
+            build_stage_deployment(doc, host.name, owner_uid, keys_hash),
             build_stage_service(doc, host.name, owner_uid),
             build_stage_pdb(doc, host.name, owner_uid),
         ]
         if host.autoscaling is not None:
             objs.append(build_stage_hpa(doc, host.name, owner_uid))
+    if doc.spec.monitoring is not None and doc.spec.monitoring.pod_monitor:
+        objs.append(build_pod_monitor(doc, owner_uid))
     return objs

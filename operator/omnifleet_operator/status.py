@@ -35,13 +35,17 @@ PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 STAGE_UNAVAILABLE = "StageUnavailable"
 CONTAINER_FAILING = "ContainerFailing"
 ALL_READY = "AllStagesReady"
+NAME_CONFLICT = "NameConflict"
+REGISTRATION_REFUSED = "RegistrationRefused"
 
-WARNING_REASONS = {INVALID_SPEC, APPLY_FAILED, CAPACITY_PENDING, REPLICA_FAILURE, PROGRESS_DEADLINE,
-                   STAGE_UNAVAILABLE, CONTAINER_FAILING}
+WARNING_REASONS = {INVALID_SPEC, APPLY_FAILED, NAME_CONFLICT, CAPACITY_PENDING, REPLICA_FAILURE, PROGRESS_DEADLINE,
+                   STAGE_UNAVAILABLE, CONTAINER_FAILING, REGISTRATION_REFUSED}
+# A refused replica asks again every few seconds: a refusal older than this is history, not why a stage waits.
+REFUSAL_FRESH_S = 30.0
 # Container states that will not fix themselves without a change (or keep failing meanwhile).
 FAILING_WAITING = {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
                    "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
-STALLED_REASONS = {INVALID_SPEC, REPLICA_FAILURE, PROGRESS_DEADLINE}
+STALLED_REASONS = {INVALID_SPEC, REPLICA_FAILURE, PROGRESS_DEADLINE, NAME_CONFLICT}
 # The usual steps of a pipeline coming up: shown in status, not worth an Event
 # each (a mass create would post one per pipeline per step).
 QUIET_REASONS = {CREATING, WAITING_FOR_READY}
@@ -53,7 +57,8 @@ class Observed:
 
     deployments: dict[str, Obj] = field(default_factory=dict)  # by name
     pods: list[Obj] = field(default_factory=list)  # this pipeline's pods
-    registered: dict[str, int] | None = None  # replicas registered with the master, by stage
+    # What the master's /ready said (see wants_master_report), or None: not read.
+    master: Obj | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,15 @@ def container_failure(pod: Obj) -> str | None:
             return f"{waiting['reason']}: exited {last.get('exitCode')}: {why}"
         return f"{waiting['reason']}: {_last_line(waiting.get('message', '')) or 'no message'}"
     return None
+
+
+def _started_unready(pod: Obj) -> bool:
+    """Every engine of the pod loaded (its startup probe passed), yet the pod is not ready: a stage
+    pod is ready only while the master routes to it, so the master did not take it."""
+    st = pod.get("status") or {}
+    statuses = st.get("containerStatuses") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+    return bool(statuses) and all(cs.get("started") is True for cs in statuses) and not ready
 
 
 def _unschedulable(pods: list[Obj], view: "StageView") -> list[Obj]:
@@ -167,6 +181,34 @@ def stage_views(doc: OmniPipeline, observed: Observed) -> list[StageView]:
     return views
 
 
+def wants_master_report(doc: OmniPipeline, observed: Observed) -> bool:
+    """Whether only the master can say why the pipeline is not Ready: its Deployment is ready, and
+    some stage pod loaded its engines but is not registered. The operator reads the master's
+    /ready only then, so a healthy or still-loading pipeline costs it nothing."""
+    views = stage_views(doc, observed)
+    if not views[0].is_ready:
+        return False
+    return any(v.dep is not None and v.ready < v.desired
+               and any(_started_unready(p) for p in _pods_of(observed.pods, v)) for v in views[1:])
+
+
+def refusals(report: Obj | None) -> list[str]:
+    """`stage S: REASON` for each stage whose registration the master refused lately, from its /ready
+    body (which comes from a pod: anything malformed counts as no refusal)."""
+    out = []
+    stages = (report or {}).get("stages") if isinstance(report, dict) else None
+    if not isinstance(stages, dict):
+        return out
+    for name in sorted(stages, key=str):
+        last = stages[name].get("lastRefusal") if isinstance(stages[name], dict) else None
+        if not isinstance(last, dict) or not isinstance(last.get("reason"), str):
+            continue
+        age = last.get("secondsAgo")
+        if isinstance(age, (int, float)) and not isinstance(age, bool) and 0 <= age <= REFUSAL_FRESH_S:
+            out.append(f"stage {str(name)[:63]}: {last['reason'][:300]}")
+    return out
+
+
 # -- the check chain ----------------------------------------------------------
 
 def check_failures(views: list[StageView], observed: Observed) -> Verdict | None:
@@ -207,6 +249,14 @@ def check_capacity(views: list[StageView], observed: Observed) -> Verdict | None
     return None
 
 
+def check_registration(views: list[StageView], observed: Observed) -> Verdict | None:
+    """The master refuses a stage's replicas (a config-hash mismatch, an identity it does not take)."""
+    refused = refusals(observed.master)
+    if refused:
+        return Verdict(REGISTRATION_REFUSED, "the master refuses replicas of " + "; ".join(refused))
+    return None
+
+
 def check_rollout(views: list[StageView], observed: Observed) -> Verdict | None:
     missing = [v.name for v in views if v.dep is None]
     if missing:
@@ -225,7 +275,7 @@ def check_rollout(views: list[StageView], observed: Observed) -> Verdict | None:
     return None
 
 
-CHECKS = (check_failures, check_containers, check_capacity, check_rollout)
+CHECKS = (check_failures, check_containers, check_capacity, check_registration, check_rollout)
 
 
 # -- status -------------------------------------------------------------------
@@ -251,11 +301,13 @@ def _prior_condition(prior: Obj, ctype: str) -> Obj:
 
 def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipeline | None,
                    problems: list[Problem], observed: Observed, prior: Obj | None, now: str,
-                   apply_error: str | None = None, applied: list[str] = ()) -> Obj:
+                   apply_error: str | None = None, applied: list[str] = (), conflicts: list[str] = ()) -> Obj:
     """The whole `.status` of a pipeline. Pure: same inputs, same output.
 
     `applied` names the children this pass just changed: `observed` predates
-    those writes, so it cannot show the pipeline Ready yet.
+    those writes, so it cannot show the pipeline Ready yet. `conflicts` names
+    objects that hold a child's name and are not this pipeline's (nothing was
+    applied: the operator never takes them over).
     """
     prior = prior or {}
     if problems or doc is None:
@@ -278,7 +330,12 @@ def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipel
 
     views = stage_views(doc, observed)
     by_host = {v.name: v for v in views}
-    verdict = Verdict(APPLY_FAILED, apply_error) if apply_error else None
+    verdict = None
+    if conflicts:
+        verdict = Verdict(NAME_CONFLICT, "not controlled by this pipeline, left untouched (delete or rename them): "
+                          + ", ".join(conflicts))
+    elif apply_error:
+        verdict = Verdict(APPLY_FAILED, apply_error)
     for check in CHECKS:
         verdict = verdict or check(views, observed)
     if verdict is None and applied:
@@ -292,8 +349,8 @@ def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipel
                  "updatedReplicas": v.updated, "desiredReplicas": v.desired}
         if s.colocate_with:
             entry["host"] = s.colocate_with
-        if observed.registered is not None:
-            entry["registeredReplicas"] = observed.registered.get(s.name, 0)
+        # A stage pod is ready only while each of its stages is registered with the master (its /readyz).
+        entry["registeredReplicas"] = v.ready
         stages.append(entry)
         ready_count += v.is_ready
 

@@ -1,4 +1,4 @@
-"""The master's HTTP API: OpenAI-compatible completions, images, speech, health, readiness, metrics, control.
+"""The master's public HTTP API: OpenAI-compatible completions, images, speech; health, readiness, metrics.
 
 Requests: `/v1/chat/completions` (the entry stage gets `messages`) and
 `/v1/completions` (it gets `prompt`), streaming (SSE) or not. Standard
@@ -24,10 +24,20 @@ stages (the entry stage gets `input` as its prompt) and answers a WAV
 (`response_format` wav, the default here), raw 16-bit PCM streamed as it comes
 (`pcm`), or SSE `speech.audio.delta` events (`stream_format: "sse"`). PNG and
 WAV are encoded here with the standard library (media.py).
+
+Who may call what: with an API key configured (spec.master.apiKeySecret),
+every `/v1/` endpoint wants `Authorization: Bearer <key>` (401 otherwise);
+`/health`, `/ready` and `/metrics` stay open for probes and scrapers. The
+admin endpoints live on another port (admin.py). Every body is checked by
+limits.py before anything is dispatched (400 naming the field); at most
+`maxInflight` requests are served at once (429 with Retry-After beyond);
+every request has a deadline (504 past it). Encoding (PNG, WAV, base64, big
+JSON) runs in worker threads so the event loop keeps serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -38,74 +48,74 @@ from typing import Any
 from aiohttp import web
 
 from . import media, wire
+from .httputil import as_text, bearer_ok, error_response, jsonable, unauthorized
+from .limits import OPENAI_SAMPLING, BadRequest, RequestCheck, parse_body
 from .orchestrator import Event, NoReplica, Orchestrator, Run
 from .schema import OmniPipeline
 
 log = logging.getLogger("omnifleet.api")
 
-OPENAI_SAMPLING = (
-    "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "seed", "stop",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "logprobs",
-)
-
-
-def jsonable(value: Any) -> Any:
-    """A JSON form of a payload value: bytes as base64, arrays as {dtype, shape, data}."""
-
-    def leaf(v: Any) -> Any:
-        if isinstance(v, (bytes, bytearray, memoryview)):
-            return base64.b64encode(v).decode()
-        if isinstance(v, wire.Array):
-            return {"dtype": v.dtype, "shape": list(v.shape), "data": base64.b64encode(v.data).decode()}
-        if v is None or isinstance(v, (str, int, float, bool)):
-            return v
-        return str(v)
-
-    return wire.walk(value, leaf)
-
-
-def as_text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("text"), str):  # an llm stage's chunk
-        return value["text"]
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", errors="replace")
-    return json.dumps(jsonable(value))
-
-
-def error_response(status: int, message: str, code: str, **extra: Any) -> web.Response:
-    body = {"error": {"message": message, "type": code, "code": status, **extra}}
-    return web.json_response(body, status=status)
+RETRY_AFTER_S = 1
+BODY_READ_TIMEOUT_S = 30.0  # a client trickling its body holds an admission slot only this long
+INLINE_BYTES = 64 * 1024  # smaller payloads are encoded on the loop: a thread hop would cost more
 
 
 class Api:
-    def __init__(self, doc: OmniPipeline, orch: Orchestrator, metrics_text, control_timeout_s: float):
+    def __init__(self, doc: OmniPipeline, orch: Orchestrator, metrics_text, api_key: str | None = None):
         self.doc = doc
         self.spec = doc.spec
+        self.limits = doc.spec.master.limits
         self.orch = orch
+        self.metrics = orch.metrics
         self.metrics_text = metrics_text
-        self.control_timeout_s = control_timeout_s
+        self.api_key = api_key or None
+        self.check = RequestCheck(self.limits, [s.name for s in self.spec.stages],
+                                  doc.spec.master.trust_request_chat_template)
+        self.inflight = 0
+        self.draining = False  # SIGTERM: no new request; those in flight finish (master.py)
         self.model_id = doc.metadata.name
         self.model_names = {self.model_id} | ({self.spec.model} if self.spec.model else set())
         self.entry = next(s.name for s in self.spec.stages if not s.inputs)
         self.final_types = {s.name: s.final_output for s in self.spec.stages if s.final_output != "none"}
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._guard])
         app.add_routes([
             web.get("/health", self.health),
             web.get("/ready", self.ready),
-            web.get("/metrics", self.metrics),
+            web.get("/metrics", self.metrics_endpoint),
             web.get("/v1/models", self.models),
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
             web.post("/v1/images/generations", self.images),
             web.post("/v1/audio/speech", self.speech),
-            web.get("/v1/stages", self.stages),
-            web.post("/v1/stages/{stage}/control", self.control),
         ])
         return app
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """The API key on /v1/, and the bound on requests served at once."""
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        if self.api_key is not None and not bearer_ok(request, self.api_key):
+            self.metrics.refused.inc(reason="unauthorized")
+            return unauthorized("this API wants an API key")
+        if request.method != "POST":
+            return await handler(request)
+        if self.draining:
+            self.metrics.refused.inc(reason="draining")
+            return error_response(503, "the master is shutting down; retry (another master takes over)",
+                                  "unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.inflight >= self.limits.max_inflight:
+            self.metrics.refused.inc(reason="full")
+            return error_response(429, f"the master is serving {self.limits.max_inflight} requests, its limit "
+                                  "(spec.master.limits.maxInflight); retry later", "too_many_requests",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.inflight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.inflight -= 1
 
     # ------------------------------------------------------------ probes and metrics
 
@@ -113,16 +123,29 @@ class Api:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        missing = self.orch.membership.missing()
+        """Open (the operator reads it through the API server's service proxy): stage names, counts
+        and the last refused registration per stage, nothing secret."""
+        ms, now = self.orch.membership, time.monotonic()
+        stages = {}
+        for s in ms.stages:
+            entry: dict[str, Any] = {"registered": len(ms.replicas(s)), "routable": len(ms.routable(s))}
+            if s in ms.refusals:
+                when, reason = ms.refusals[s]
+                entry["lastRefusal"] = {"reason": reason, "secondsAgo": round(now - when, 1)}
+            stages[s] = entry
+        missing = ms.missing()
+        if self.draining:
+            return web.json_response({"ready": False, "draining": True, "stages": stages,
+                                      "message": "the master is shutting down"}, status=503)
         if missing:
             return web.json_response(
-                {"ready": False, "missing_stages": missing,
+                {"ready": False, "missing_stages": missing, "stages": stages,
                  "message": f"no replica of stage(s) {', '.join(missing)} is registered"},
                 status=503,
             )
-        return web.json_response({"ready": True})
+        return web.json_response({"ready": True, "stages": stages})
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
@@ -132,31 +155,6 @@ class Api:
             for name in sorted(self.model_names)
         ]})
 
-    async def stages(self, request: web.Request) -> web.Response:
-        out = {}
-        for s in self.spec.stages:
-            out[s.name] = [
-                {"replica": r.replica, "data_addr": r.data_addr, "inflight": r.outstanding,
-                 "queue_depth": r.queue_depth, "draining": r.draining}
-                for r in self.orch.membership.replicas(s.name)
-            ]
-        return web.json_response({"stages": out})
-
-    async def control(self, request: web.Request) -> web.Response:
-        stage = request.match_info["stage"]
-        if stage not in {s.name for s in self.spec.stages}:
-            return error_response(404, f"no stage named {stage!r}", "not_found")
-        try:
-            body = await request.json()
-            method, args = body["method"], body.get("args") or {}
-            timeout = float(body.get("timeout", self.control_timeout_s))
-            if not isinstance(method, str) or not isinstance(args, dict):
-                raise TypeError("method must be a string and args an object")
-        except (ValueError, KeyError, TypeError) as e:
-            return error_response(400, f"bad control request: {e}", "invalid_request_error")
-        answers = await self.orch.control(stage, method, args, timeout)
-        return web.json_response({"stage": stage, "method": method, "replicas": jsonable(answers)})
-
     # ------------------------------------------------------------ completions
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -165,18 +163,22 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
 
+    async def _checked(self, request: web.Request, kind: str) -> dict[str, Any]:
+        """The request's body, checked: the known keys, their types, the limits."""
+        try:
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                raw = await request.read()
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g}s")
+        body = parse_body(raw)
+        self.check.check(kind, body)
+        return body
+
     def _sampling(self, body: dict[str, Any], top_level: bool = True) -> dict[str, dict[str, Any]]:
         sampling = {s.name: dict(s.sampling_params) for s in self.spec.stages}
         if top_level:
             sampling[self.entry].update({k: body[k] for k in OPENAI_SAMPLING if body.get(k) is not None})
-        per_stage = body.get("stage_sampling_params") or {}
-        if not isinstance(per_stage, dict):
-            raise ValueError("stage_sampling_params must be an object {stage: {param: value}}")
-        for stage, params in per_stage.items():
-            if stage not in sampling:
-                raise ValueError(f"stage_sampling_params names no stage of this pipeline: {stage!r}")
-            if not isinstance(params, dict):
-                raise ValueError(f"stage_sampling_params.{stage} must be an object")
+        for stage, params in (body.get("stage_sampling_params") or {}).items():
             sampling[stage].update(params)
         return sampling
 
@@ -187,57 +189,49 @@ class Api:
             text = {s for s, t in self.final_types.items() if t == "text"}
             return text or set(self.final_types)
         if not isinstance(modalities, list) or not modalities or not all(isinstance(m, str) for m in modalities):
-            raise ValueError("'modalities' must be a non-empty list of strings")
+            raise BadRequest("'modalities' must be a non-empty list of strings")
         absent = [m for m in modalities if m not in self.final_types.values()]
         if absent:
             have = sorted(set(self.final_types.values()))
-            raise ValueError(f"this pipeline has no final output of modality {', '.join(map(repr, absent))} "
+            raise BadRequest(f"this pipeline has no final output of modality {', '.join(map(repr, absent))} "
                              f"(it has {', '.join(have)})")
         return {s for s, t in self.final_types.items() if t in modalities}
-
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
-        return body
 
     def _model(self, body: dict[str, Any]) -> str | web.Response:
         model = body.get("model") or self.model_id
         if model not in self.model_names:
-            return error_response(404, f"model {model!r} is not served here; try {self.model_id!r}",
+            return error_response(404, f"model {model[:256]!r} is not served here; try {self.model_id!r}",
                                   "model_not_found")
         return model
 
-    def _start(self, info: wire.RequestInfo, sampling: dict[str, dict[str, Any]],
-               final: set[str]) -> Run | web.Response:
+    def _start(self, body: dict[str, Any], kind: str, id_prefix: str, prompt_key: str,
+               sampling: dict[str, dict[str, Any]], final: set[str]) -> Run | web.Response:
+        """Start a request whose prompt is body[prompt_key]: the run, or an error response."""
+        model = self._model(body)
+        if isinstance(model, web.Response):
+            return model
+        prompt = body.get(prompt_key)
+        info = wire.RequestInfo(
+            request_id=f"{id_prefix}-{uuid.uuid4().hex}", kind=kind, model=model,
+            prompt=None if kind == "chat" else prompt, messages=prompt if kind == "chat" else None,
+            extra={k: v for k, v in body.items() if k != prompt_key},  # the known keys only (limits.py)
+        )
         try:
-            return self.orch.start(info, sampling, final)
+            return self.orch.start(info, sampling, final, timeout_s=self.check.timeout(body))
         except NoReplica as e:
-            self.orch.metrics.requests.inc(api=info.kind, outcome="no_replica")
+            self.metrics.requests.inc(api=info.kind, outcome="no_replica")
             return error_response(503, str(e), "service_unavailable", stages=e.stages)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
-            body = await self._body(request)
-            field = "messages" if kind == "chat" else "prompt"
-            if body.get(field) is None:
-                raise ValueError(f"{field!r} is required")
-            if kind == "chat" and not isinstance(body["messages"], list):
-                raise ValueError("'messages' must be a list")
+            body = await self._checked(request, kind)
             sampling = self._sampling(body)
             final = self._finals(body)
             audio_format = _audio_format(body) if kind == "chat" else None
-        except ValueError as e:
+        except BadRequest as e:
+            self.metrics.refused.inc(reason="invalid")
             return error_response(400, str(e), "invalid_request_error")
-        model = self._model(body)
-        if isinstance(model, web.Response):
-            return model
-        info = wire.RequestInfo(
-            request_id=f"req-{uuid.uuid4().hex}", kind=kind, model=model,
-            prompt=body.get("prompt"), messages=body.get("messages"),
-            extra={k: v for k, v in body.items() if k not in ("messages", "prompt")},
-        )
-        run = self._start(info, sampling, final)
+        run = self._start(body, kind, "req", "messages" if kind == "chat" else "prompt", sampling, final)
         if isinstance(run, web.Response):
             return run
         reply = Reply(kind, bool(body.get("return_token_ids")),
@@ -264,8 +258,8 @@ class Api:
                 if reply.token_ids:
                     choice["token_ids"] = _token_ids(ev.payload)
             elif ftype == "audio" and reply.audio:
-                delta["audio"] = {"id": reply.audio_id,
-                                  "data": base64.b64encode(media.audio_of(ev.payload).pcm).decode()}
+                delta["audio"] = {"id": reply.audio_id, "data": base64.b64encode(
+                    media.audio_of(ev.payload, self.limits.max_audio_seconds).pcm).decode()}
             else:
                 delta["omni"] = self._omni(ev)
             choice.update(finish_reason=finish, logprobs=None)
@@ -295,12 +289,12 @@ class Api:
                 ev: Event = await run.events.get()
                 if ev.kind == "output":
                     try:
-                        chunk = self._chunk(run, reply, ev, first)
+                        chunk = await off_loop(ev.payload, lambda: _sse(self._chunk(run, reply, ev, first)))
                     except media.MediaError as e:
                         await send({"error": {"message": f"stage {ev.stage!r}: {e}", "type": "bad_output",
                                               "code": 502}})
                         break
-                    await send(chunk)
+                    await resp.write(chunk)
                     first = False
                 elif ev.kind == "error":
                     await send({"error": {"message": ev.message, "type": ev.code, "code": ev.status}})
@@ -329,26 +323,31 @@ class Api:
         events, err = await self._events(run)
         if err is not None:
             return error_response(err.status, err.message, err.code)
+        try:
+            body = await off_loop([ev.payload for ev in events], lambda: self._collected(run, reply, events))
+        except media.MediaError as e:
+            return error_response(502, f"a final stage sent output that cannot be encoded: {e}", "bad_output")
+        return web.Response(body=body, content_type="application/json")
+
+    def _collected(self, run: Run, reply: "Reply", events: list[Event]) -> bytes:
+        """The JSON answer of a finished chat or completion request (in a worker thread when large)."""
         text: list[str] = []
         ids: list[int] = []
         omni: list[dict[str, Any]] = []
         audio: list[media.Audio] = []
-        try:
-            for ev in events:
-                ftype = self.final_types[ev.stage]
-                if ftype == "text":
-                    text.append(as_text(ev.payload))
-                    ids += _token_ids(ev.payload)
-                elif ftype == "audio" and reply.audio:
-                    audio.append(media.audio_of(ev.payload))
-                else:
-                    omni.append(self._omni(ev))
-            content = "".join(text)
-            if reply.audio:
-                sound = media.join_audio(audio)
-                data = media.wav(sound) if reply.audio == "wav" else sound.pcm
-        except media.MediaError as e:
-            return error_response(502, f"a final stage sent output that cannot be encoded: {e}", "bad_output")
+        for ev in events:
+            ftype = self.final_types[ev.stage]
+            if ftype == "text":
+                text.append(as_text(ev.payload))
+                ids += _token_ids(ev.payload)
+            elif ftype == "audio" and reply.audio:
+                audio.append(media.audio_of(ev.payload, self.limits.max_audio_seconds))
+            else:
+                omni.append(self._omni(ev))
+        content = "".join(text)
+        if reply.audio:
+            sound = media.join_audio(audio, self.limits.max_audio_seconds)
+            data = media.wav(sound) if reply.audio == "wav" else sound.pcm
         if reply.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if reply.audio:
@@ -365,10 +364,10 @@ class Api:
             obj = "text_completion"
         if reply.token_ids:
             choice["token_ids"] = ids
-        return web.json_response({
+        return json.dumps({
             "id": run.id, "object": obj, "created": int(time.time()), "model": run.info.model,
             "choices": [choice],
-        })
+        }).encode()
 
     # ------------------------------------------------------------ images and speech
 
@@ -377,34 +376,29 @@ class Api:
 
     async def images(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError("'prompt' is required (a string)")
+            body = await self._checked(request, "image")
             final = self._stages_of("image")
             if not final:
-                raise ValueError("this pipeline has no image output (no stage with finalOutput: image)")
+                raise BadRequest("this pipeline has no image output (no stage with finalOutput: image)")
             n = body.get("n") if body.get("n") is not None else 1
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 16:
-                raise ValueError("'n' must be an integer from 1 to 16")
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.limits.max_n:
+                raise BadRequest(f"'n' must be an integer from 1 to {self.limits.max_n}")
             fmt = body.get("response_format") or "b64_json"
             if fmt not in ("b64_json", "url"):
-                raise ValueError("'response_format' must be 'b64_json' or 'url'")
+                raise BadRequest("'response_format' must be 'b64_json' or 'url'")
             params: dict[str, Any] = {"n": n}
-            size = body.get("size")
-            if size not in (None, "auto"):
-                w, _, h = str(size).partition("x")
-                if not (w.isdigit() and h.isdigit() and 0 < int(w) <= 4096 and 0 < int(h) <= 4096):
-                    raise ValueError(f"'size' must be WIDTHxHEIGHT (e.g. 256x256), got {size!r}")
-                params.update(width=int(w), height=int(h))
+            size = self.check.image_size(body.get("size"))
+            if size is not None:
+                params.update(width=size[0], height=size[1])
             if body.get("seed") is not None:
                 params["seed"] = body["seed"]
             sampling = self._sampling(body, top_level=False)
             for stage in final:
                 sampling[stage].update(params)
-        except ValueError as e:
+        except BadRequest as e:
+            self.metrics.refused.inc(reason="invalid")
             return error_response(400, str(e), "invalid_request_error")
-        run = self._start_for(body, "image", "img", "prompt", sampling, final)
+        run = self._start(body, "image", "img", "prompt", sampling, final)
         if isinstance(run, web.Response):
             return run
         try:
@@ -413,44 +407,37 @@ class Api:
             self.orch.abort(run)
         if err is not None:
             return error_response(err.status, err.message, err.code)
-        try:
-            pngs = [p for ev in events for p in media.images_of(ev.payload)]
-        except media.MediaError as e:
-            return error_response(502, f"the image stage sent output that cannot be encoded: {e}", "bad_output")
         key = "b64_json" if fmt == "b64_json" else "url"
         prefix = "" if fmt == "b64_json" else "data:image/png;base64,"
-        return web.json_response({"created": int(time.time()), "data": [
-            {key: prefix + base64.b64encode(p).decode()} for p in pngs]})
 
-    def _start_for(self, body: dict, kind: str, id_prefix: str, prompt_key: str,
-                   sampling: dict, final: list[str]) -> Any:
-        """Start a request whose prompt is body[prompt_key]: the run, or an error response."""
-        model = self._model(body)
-        if isinstance(model, web.Response):
-            return model
-        info = wire.RequestInfo(request_id=f"{id_prefix}-{uuid.uuid4().hex}", kind=kind, model=model,
-                                prompt=body[prompt_key], extra={k: v for k, v in body.items() if k != prompt_key})
-        return self._start(info, sampling, final)
+        def encode() -> bytes:
+            pngs = [p for ev in events for p in media.images_of(ev.payload, self.limits.max_image_pixels)]
+            return json.dumps({"created": int(time.time()), "data": [
+                {key: prefix + base64.b64encode(p).decode()} for p in pngs]}).encode()
+
+        try:
+            data = await asyncio.to_thread(encode)
+        except media.MediaError as e:
+            return error_response(502, f"the image stage sent output that cannot be encoded: {e}", "bad_output")
+        return web.Response(body=data, content_type="application/json")
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._body(request)
-            text = body.get("input")
-            if not isinstance(text, str) or not text:
-                raise ValueError("'input' is required (a string)")
+            body = await self._checked(request, "speech")
             final = self._stages_of("audio")
             if not final:
-                raise ValueError("this pipeline has no audio output (no stage with finalOutput: audio)")
+                raise BadRequest("this pipeline has no audio output (no stage with finalOutput: audio)")
             fmt = body.get("response_format") or "wav"
             if fmt not in ("wav", "pcm"):
-                raise ValueError(f"response_format {fmt!r} is not supported here; use 'wav' or 'pcm'")
+                raise BadRequest(f"response_format {str(fmt)[:32]!r} is not supported here; use 'wav' or 'pcm'")
             stream_format = body.get("stream_format") or "audio"
             if stream_format not in ("audio", "sse"):
-                raise ValueError("'stream_format' must be 'audio' or 'sse'")
+                raise BadRequest("'stream_format' must be 'audio' or 'sse'")
             sampling = self._sampling(body, top_level=False)
-        except ValueError as e:
+        except BadRequest as e:
+            self.metrics.refused.inc(reason="invalid")
             return error_response(400, str(e), "invalid_request_error")
-        run = self._start_for(body, "speech", "tts", "input", sampling, final)
+        run = self._start(body, "speech", "tts", "input", sampling, final)
         if isinstance(run, web.Response):
             return run
         try:
@@ -459,8 +446,10 @@ class Api:
             events, err = await self._events(run)
             if err is not None:
                 return error_response(err.status, err.message, err.code)
+            seconds = self.limits.max_audio_seconds
             try:
-                data = media.wav(media.join_audio([media.audio_of(ev.payload) for ev in events]))
+                data = await asyncio.to_thread(lambda: media.wav(media.join_audio(
+                    [media.audio_of(ev.payload, seconds) for ev in events], seconds)))
             except media.MediaError as e:
                 return error_response(502, f"the audio stage sent output that cannot be encoded: {e}",
                                       "bad_output")
@@ -471,24 +460,32 @@ class Api:
     async def _stream_speech(self, request: web.Request, run: Run, sse: bool) -> web.StreamResponse:
         """PCM as the audio stages produce it: raw bytes, or SSE speech.audio.delta events."""
         resp: web.StreamResponse | None = None
+        seconds = 0.0
         try:
             while True:
                 ev: Event = await run.events.get()
                 if ev.kind == "error" and resp is None:
                     return error_response(ev.status, ev.message, ev.code)
+                audio = None
+                if ev.kind == "output":
+                    audio = await off_loop(ev.payload, lambda: media.audio_of(ev.payload,
+                                                                              self.limits.max_audio_seconds))
+                    seconds += len(audio.pcm) / (2 * audio.channels * audio.sample_rate)
+                    if seconds > self.limits.max_audio_seconds:
+                        raise media.MediaError(f"more than the {self.limits.max_audio_seconds:g}s of audio "
+                                               "the master streams for one request")
                 if resp is None:
-                    rate = media.audio_of(ev.payload).sample_rate if ev.kind == "output" else media.DEFAULT_SAMPLE_RATE
+                    rate = audio.sample_rate if audio is not None else media.DEFAULT_SAMPLE_RATE
                     ctype = "text/event-stream" if sse else "audio/pcm"
                     resp = web.StreamResponse(headers={"Content-Type": ctype, "Cache-Control": "no-cache",
                                                        "X-Sample-Rate": str(rate)})
                     await resp.prepare(request)
-                if ev.kind == "output":
-                    pcm = media.audio_of(ev.payload).pcm
+                if audio is not None:
                     if sse:
-                        event = {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
+                        event = {"type": "speech.audio.delta", "audio": base64.b64encode(audio.pcm).decode()}
                         await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
                     else:
-                        await resp.write(pcm)
+                        await resp.write(audio.pcm)
                     continue
                 if sse:
                     event = ({"type": "speech.audio.done"} if ev.kind == "end" else
@@ -505,6 +502,29 @@ class Api:
         return resp
 
 
+async def off_loop(payload: Any, fn):
+    """fn() on the loop when the payload is small, in a worker thread when it is not."""
+    if _nbytes(payload) < INLINE_BYTES:
+        return fn()
+    return await asyncio.to_thread(fn)
+
+
+def _nbytes(value: Any, depth: int = 0) -> int:
+    if isinstance(value, wire.Array):
+        return len(value.data)
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return len(value)
+    if depth < 8 and isinstance(value, dict):
+        return sum(_nbytes(v, depth + 1) for v in value.values())
+    if depth < 8 and isinstance(value, list):
+        return sum(_nbytes(v, depth + 1) for v in value)
+    return 8
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
 class Reply:
     """How one chat or completion request wants its answer shaped."""
 
@@ -518,10 +538,10 @@ class Reply:
 def _audio_format(body: dict[str, Any]) -> str:
     audio = body.get("audio") or {}
     if not isinstance(audio, dict):
-        raise ValueError("'audio' must be an object {voice, format}")
+        raise BadRequest("'audio' must be an object {voice, format}")
     fmt = audio.get("format") or "wav"
     if fmt not in ("wav", "pcm16"):
-        raise ValueError(f"audio.format {fmt!r} is not supported here; use 'wav' or 'pcm16'")
+        raise BadRequest(f"audio.format {str(fmt)[:32]!r} is not supported here; use 'wav' or 'pcm16'")
     return fmt
 
 

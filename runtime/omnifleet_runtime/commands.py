@@ -36,6 +36,43 @@ def _load(path: str):
         sys.exit(f"omnifleet: invalid pipeline config {path}:\n  " + "\n  ".join(map(str, e.problems)))
 
 
+def _keys(flag: str | None):
+    from .security import Keys, KeysError, keys_dir
+
+    try:
+        return Keys.load(keys_dir(flag))
+    except KeysError as e:
+        sys.exit(f"omnifleet: {e}")
+
+
+def _add_security_flags(p: argparse.ArgumentParser, max_frame_bytes: int) -> None:
+    p.add_argument("--keys-dir", default=None,
+                   help=f"directory of the pipeline's keys (default: ${C.ENV_KEYS_DIR}, else {C.KEYS_DIR})")
+    p.add_argument("--max-frame-bytes", type=int, default=max_frame_bytes,
+                   help="largest frame a peer may send; a larger one closes its connection (default: %(default)s)")
+
+
+def _heartbeat_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat-interval", type=float, default=None,
+                   help=f"seconds between heartbeats (default: spec.heartbeat, else {C.HEARTBEAT_INTERVAL_S:g})")
+    p.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help=f"seconds of silence after which a peer is dead (default: spec.heartbeat, else "
+                        f"{C.HEARTBEAT_TIMEOUT_S:g})")
+
+
+def _heartbeat(doc, args) -> tuple[float, float]:
+    from .config import heartbeat
+
+    for flag in ("heartbeat_interval", "heartbeat_timeout"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            sys.exit(f"omnifleet: --{flag.replace('_', '-')} must be a positive number of seconds, got {value:g}")
+    try:
+        return heartbeat(doc, args.heartbeat_interval, args.heartbeat_timeout)
+    except ValueError as e:
+        sys.exit(f"omnifleet: {e}")
+
+
 def master(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="omnifleet master", description="Run the pipeline's master (CPU only).")
     p.add_argument("--config", default=C.CONFIG_PATH, help="pipeline file (default: %(default)s)")
@@ -45,16 +82,49 @@ def master(argv: list[str]) -> int:
                    help="ZMQ control port stages connect to (default: %(default)s)")
     p.add_argument("--replica-wait-timeout", type=float, default=C.REPLICA_WAIT_TIMEOUT_S,
                    help="seconds an accepted request waits for a stage with no replica (default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=C.MASTER_DRAIN_TIMEOUT_S,
+                   help="seconds to finish in-flight requests after SIGTERM (default: %(default)s)")
+    _add_security_flags(p, C.MAX_CONTROL_FRAME_BYTES)
+    p.add_argument("--admin-port", type=int, default=C.MASTER_ADMIN_PORT,
+                   help="HTTP port of /v1/stages and control RPCs (default: %(default)s)")
+    p.add_argument("--api-key-file", help=f"file holding the API key of the inference endpoints "
+                                          f"(default: ${C.ENV_API_KEY}; none: no key)")
+    p.add_argument("--admin-token-file", help=f"file holding the admin port's token "
+                                              f"(default: ${C.ENV_ADMIN_TOKEN}; none: the admin API is off)")
+    _heartbeat_flags(p)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     setup_logging(args.log_level, "master")
     doc = _load(args.config)
+    keys = _keys(args.keys_dir)
+    interval, timeout = _heartbeat(doc, args)
+    from . import tracing
     from .master import run_master
+
+    tracing.setup("omnifleet-master", os.environ.get(C.ENV_POD_NAME) or socket.gethostname())
 
     return run_master(
         doc, host=args.host, api_port=args.api_port or doc.spec.master.api_port,
-        control_port=args.control_port, replica_wait_s=args.replica_wait_timeout,
+        control_port=args.control_port, replica_wait_s=args.replica_wait_timeout, admin_port=args.admin_port,
+        keys=keys, max_frame_bytes=args.max_frame_bytes,
+        api_key=_secret(args.api_key_file, C.ENV_API_KEY),
+        admin_token=_secret(args.admin_token_file, C.ENV_ADMIN_TOKEN),
+        heartbeat_interval_s=interval, heartbeat_timeout_s=timeout, drain_timeout_s=args.drain_timeout,
     )
+
+
+def _secret(path: str | None, env: str) -> str | None:
+    """A secret from a file (surrounding whitespace dropped) or else an environment variable; None if empty."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except OSError as e:
+            sys.exit(f"omnifleet: cannot read {path}: {e}")
+        if not value:
+            sys.exit(f"omnifleet: {path} is empty")
+        return value
+    return os.environ.get(env, "").strip() or None
 
 
 def _default_advertise_host() -> str:
@@ -80,10 +150,14 @@ def stage(argv: list[str]) -> int:
                         "(default: %(default)s)")
     p.add_argument("--health-port", type=int, default=C.STAGE_HEALTH_PORT,
                    help="HTTP /livez and /readyz port (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=C.STAGE_METRICS_PORT,
+                   help="HTTP /metrics port, Prometheus text; 0 serves none (default: %(default)s)")
     p.add_argument("--advertise-host", default=None,
                    help=f"address other stages reach this pod at (default: ${C.ENV_POD_IP}, else this host)")
     p.add_argument("--drain-timeout", type=float, default=C.DRAIN_TIMEOUT_S,
                    help="seconds to finish in-flight work after SIGTERM (default: %(default)s)")
+    _add_security_flags(p, C.MAX_DATA_FRAME_BYTES)
+    _heartbeat_flags(p)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     replica = os.environ.get(C.ENV_POD_NAME) or f"{socket.gethostname()}-{os.getpid()}"
@@ -95,15 +169,20 @@ def stage(argv: list[str]) -> int:
         sys.exit(f"omnifleet: no stage named {', '.join(unknown)} in {args.config} (stages: {', '.join(sorted(names))})")
     if len(set(args.stage)) != len(args.stage):
         sys.exit("omnifleet: a stage is named more than once")
+    interval, timeout = _heartbeat(doc, args)
     from .pod import Pod, WorkerSpec
+    from .security import keys_dir
 
+    _keys(args.keys_dir)  # a missing or bad key fails the pod at once, with the file named
     advertise = args.advertise_host or _default_advertise_host()
     workers = [
         WorkerSpec(
             config_path=args.config, stage=name, replica=replica, master_addr=f"tcp://{args.master}",
             host=args.host, data_port=args.data_port + i if args.data_port else 0, advertise_host=advertise,
             drain_timeout_s=args.drain_timeout, log_level=args.log_level,
+            keys_dir=keys_dir(args.keys_dir), max_frame_bytes=args.max_frame_bytes,
+            heartbeat_interval_s=interval, heartbeat_timeout_s=timeout,
         )
         for i, name in enumerate(args.stage)
     ]
-    return asyncio.run(Pod(workers, args.host, args.health_port).run())
+    return asyncio.run(Pod(workers, args.host, args.health_port, args.metrics_port).run())

@@ -7,6 +7,7 @@ import json
 
 import yaml
 
+from . import constants as C
 from .schema import OmniPipeline
 from .validate import dump, load_pipeline, resolve
 
@@ -31,6 +32,21 @@ def routing_view(doc: OmniPipeline, stage: str) -> dict:
 
 
 def config_hash(doc: OmniPipeline, stage: str) -> str:
-    """sha256 of one stage's routing view, sent at registration and checked by the master."""
-    canonical = json.dumps(routing_view(doc, stage), sort_keys=True, separators=(",", ":"))
+    """sha256 of one stage's routing view, sent at registration and checked by the master.
+
+    The data plane's security mode is part of it: a stage speaking another
+    mode could neither reach nor be reached by the others.
+    """
+    view = {"stage": routing_view(doc, stage), "dataPlane": doc.spec.security.data_plane}
+    canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def heartbeat(doc: OmniPipeline, interval_s: float | None = None, timeout_s: float | None = None) -> tuple[float, float]:
+    """(interval, timeout) of heartbeats: a command-line flag, else spec.heartbeat, else the default."""
+    hb = doc.spec.heartbeat
+    interval = interval_s or (hb.interval_seconds if hb else C.HEARTBEAT_INTERVAL_S)
+    timeout = timeout_s or (hb.timeout_seconds if hb else C.HEARTBEAT_TIMEOUT_S)
+    if timeout < 2 * interval:
+        raise ValueError(f"heartbeat timeout {timeout:g}s must be at least twice the interval {interval:g}s")
+    return interval, timeout

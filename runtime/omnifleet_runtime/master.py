@@ -1,13 +1,15 @@
 """The master process: registration, heartbeats, orchestration and the HTTP API.
 
 One asyncio loop runs a ZMQ ROUTER on the control port (stages connect out
-to it, so it is the only socket control traffic needs) and the aiohttp API.
+to it, so it is the only socket control traffic needs), the public aiohttp
+API (api.py) and, on its own port, the admin API (admin.py).
 The master never imports torch, vLLM or diffusers: engines live in stages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import time
@@ -19,7 +21,8 @@ from zmq.utils.monitor import parse_monitor_message
 from aiohttp import web
 
 from . import constants as C
-from . import wire
+from . import security, wire
+from .admin import Admin
 from .api import Api
 from .config import config_hash
 from .membership import Membership, Replica
@@ -42,17 +45,32 @@ class Master:
         control_port: int,
         replica_wait_s: float = C.REPLICA_WAIT_TIMEOUT_S,
         control_timeout_s: float = C.CONTROL_TIMEOUT_S,
+        keys: security.Keys | None = None,
+        max_frame_bytes: int = C.MAX_CONTROL_FRAME_BYTES,
+        admin_port: int = C.MASTER_ADMIN_PORT,
+        api_key: str | None = None,
+        admin_token: str | None = None,
+        heartbeat_interval_s: float = C.HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s: float = C.HEARTBEAT_TIMEOUT_S,
     ):
+        if keys is None:
+            raise ValueError("the master needs the pipeline's keys")
         self.doc = doc
+        self.keys, self.max_frame_bytes = keys, max_frame_bytes
+        self.auth: security.PipelineAuthenticator | None = None
+        self.replicas_bound = replicas_bound(doc)
         self.host, self.api_port, self.control_port = host, api_port, control_port
+        self.admin_port = admin_port
         self.master_id = uuid.uuid4().hex[:12]
         self.config_hashes = {s.name: config_hash(doc, s.name) for s in doc.spec.stages}
         self.stage_names = [s.name for s in doc.spec.stages]
-        self.membership = Membership(self.stage_names, C.HEARTBEAT_TIMEOUT_S)
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
+        self.membership = Membership(self.stage_names, heartbeat_timeout_s)
         self.metrics = MasterMetrics()
-        self.orch = Orchestrator(doc.spec, self.membership, self.send, self.metrics, replica_wait_s)
-        self.api = Api(doc, self.orch, lambda: self.metrics.render(self.membership, self.stage_names),
-                       control_timeout_s)
+        self.orch = Orchestrator(doc.spec, self.membership, self.send, self.metrics, replica_wait_s,
+                                 doc.spec.master.limits.max_redispatches)
+        self.api = Api(doc, self.orch, lambda: self.metrics.render(self.membership, self.stage_names), api_key)
+        self.admin = Admin(doc, self.orch, admin_token, control_timeout_s)
         self.sock: zmq.asyncio.Socket | None = None
 
     # ------------------------------------------------------------ sending
@@ -68,7 +86,14 @@ class Master:
         turns = Turns()
         while True:
             await turns.take()
-            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                frames = await security.recv_bounded(self.sock)
+            except security.Oversized as e:
+                log.warning("dropped a message on the control port: %s", e)
+                self.metrics.dropped_messages.inc(socket="control")
+                continue
+            if frames is None:
+                continue
             try:
                 self._handle(frames)
             except Exception:  # a bug handling one message must not take the master down
@@ -86,7 +111,7 @@ class Master:
             self._reject(identity, str(e))
             return
         if isinstance(msg, wire.Register):
-            self._register(identity, msg)
+            self._register(identity, msg, _peer_address(frames[1]))
             return
         rep = self.membership.get(identity)
         if rep is None:
@@ -97,6 +122,7 @@ class Master:
         if isinstance(msg, wire.StageHeartbeat):
             rep.inflight, rep.queue_depth = msg.inflight, msg.queue_depth
             rep.bytes.update(tcp=msg.bytes_tcp, shm=msg.bytes_shm, master=msg.bytes_master)
+            rep.dropped = msg.dropped
             self.membership.set_draining(rep, msg.draining)
         elif isinstance(msg, wire.Output):
             self.metrics.master_bytes.inc(wire.frames_nbytes(frames[1:]), stage=msg.stage)
@@ -116,15 +142,17 @@ class Master:
         log.warning("rejected frame from %r: %s", identity[:64], reason)
         self.metrics.rejected_frames.inc(socket="control")
 
-    def _refuse_version(self, identity: bytes, version: int) -> None:
+    def _refuse_version(self, identity: bytes, version: int, stage: str | None = None) -> None:
         reason = (f"protocol version mismatch: the stage speaks version {version}, "
                   f"this master speaks version {C.PROTOCOL_VERSION}")
         log.warning("refused registration from %r: %s", identity[:64], reason)
+        if stage is not None:
+            self.membership.refused(stage, reason, time.monotonic())
         self.send(identity, wire.RegisterReply(False, self.master_id, C.PROTOCOL_VERSION, reason))
 
-    def _register(self, identity: bytes, msg: wire.Register) -> None:
+    def _register(self, identity: bytes, msg: wire.Register, peer: str | None = None) -> None:
         if msg.protocol_version != C.PROTOCOL_VERSION:
-            self._refuse_version(identity, msg.protocol_version)
+            self._refuse_version(identity, msg.protocol_version, msg.stage)
             return
         reason = ""
         if msg.stage not in self.stage_names:
@@ -135,9 +163,17 @@ class Master:
                       "processor, input mode or outputs (one of them runs an older config)")
         if reason:
             log.warning("refused registration of %s/%s: %s", msg.stage, msg.replica, reason)
+            self.membership.refused(msg.stage, reason, time.monotonic())
             self.send(identity, wire.RegisterReply(False, self.master_id, C.PROTOCOL_VERSION, reason))
             return
         if self.membership.get(identity) is None:  # a repeated Register of a live session changes nothing
+            reason = self._identity_problem(identity, msg, peer)
+            if reason:
+                log.warning("refused registration of %s/%s from %s: %s", msg.stage, msg.replica, peer, reason)
+                self.metrics.refused_registrations.inc(stage=msg.stage)
+                self.membership.refused(msg.stage, reason, time.monotonic())
+                self.send(identity, wire.RegisterReply(False, self.master_id, C.PROTOCOL_VERSION, reason))
+                return
             rep = Replica(msg.stage, msg.replica, identity, msg.data_addr, time.monotonic(), pid=msg.pid)
             old = self.membership.join(rep)
             log.info("replica %s registered (data %s, pid %d)", rep, msg.data_addr, msg.pid)
@@ -145,11 +181,46 @@ class Master:
                 self.orch.on_replica_lost(old, "registered again")
         self.send(identity, wire.RegisterReply(True, self.master_id, C.PROTOCOL_VERSION))
 
+    def _identity_problem(self, identity: bytes, msg: wire.Register, peer: str | None) -> str:
+        """Why this connection may not register as msg says (empty: it may).
+
+        The key proves the peer is one of the pipeline's pods; this keeps one
+        pod from speaking for another: its data address must be its own, a
+        replica id live on another connection is not taken over, and a stage's
+        membership is bounded.
+        """
+        host = data_host(msg.data_addr)
+        if host is None:
+            return f"data address {msg.data_addr!r} is not tcp://IP:PORT"
+        if peer is not None and host != peer and self.doc.spec.security.check_peer_address:
+            return f"data address {msg.data_addr} is not on this connection's peer address {peer}"
+        old = self.membership.find(msg.stage, msg.replica)
+        if old is not None and old.identity != identity and self._reachable(old.identity):
+            return (f"replica {msg.stage}/{msg.replica} is already registered from another live connection "
+                    "(a replica id is not taken over while its connection lives)")
+        if old is None and len(self.membership.replicas(msg.stage)) >= self.replicas_bound:
+            return f"stage {msg.stage!r} already has {self.replicas_bound} registered replicas (the bound)"
+        return ""
+
+    def _reachable(self, identity: bytes) -> bool:
+        """Whether the ROUTER still has a connection for identity (see _drop_unroutable)."""
+        probe = zmq.Socket.shadow(self.sock.underlying)
+        probe.router_mandatory = 1
+        try:
+            probe.send_multipart([identity, *wire.encode(wire.MasterHeartbeat(self.master_id))], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return True  # connected, its queue full
+        except zmq.ZMQError as e:
+            return e.errno != zmq.EHOSTUNREACH
+        finally:
+            probe.router_mandatory = 0
+
     # ------------------------------------------------------------ liveness
 
     async def _heartbeat_loop(self) -> None:
         beat = wire.MasterHeartbeat(self.master_id)
-        watch = StallWatch(C.HEARTBEAT_INTERVAL_S)
+        watch = StallWatch(self.heartbeat_interval_s)
         while True:
             now = time.monotonic()
             if stall := watch.stall(now):
@@ -159,12 +230,12 @@ class Master:
                 log.warning("the master's event loop stalled for %.1fs", stall)
                 self.membership.credit(stall)
             for rep in self.membership.expire(now):
-                log.warning("replica %s lost: no heartbeat for %.1fs", rep, C.HEARTBEAT_TIMEOUT_S)
+                log.warning("replica %s lost: no heartbeat for %.1fs", rep, self.heartbeat_timeout_s)
                 self.metrics.replica_losses.inc(stage=rep.stage)
                 self.orch.on_replica_lost(rep, "was lost")
             for rep in self.membership.all():
                 self.send(rep.identity, beat)
-            await asyncio.sleep(C.HEARTBEAT_INTERVAL_S)
+            await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _disconnect_loop(self, monitor: zmq.asyncio.Socket) -> None:
         """A closed connection is a replica gone now, not after the heartbeat timeout."""
@@ -207,31 +278,85 @@ class Master:
 
     # ------------------------------------------------------------ run
 
-    async def serve(self, stop: asyncio.Event) -> None:
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests (/ready and new ones answer 503), let those in flight finish up to
+        timeout_s; the stages keep serving them meanwhile."""
+        self.api.draining = True
+        log.info("SIGTERM: draining %d request(s), up to %.0fs", self.api.inflight, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.api.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.api.inflight:
+            log.warning("drain deadline passed; ending %d request(s)", self.api.inflight)
+        else:
+            log.info("every request finished; exiting")
+
+    async def serve(self, stop: asyncio.Event, drain_timeout_s: float = 0.0) -> None:
         ctx = zmq.asyncio.Context()
+        self.auth = security.start_authenticator(ctx, self.keys)  # before the bind: no handshake goes unchecked
+        self.metrics.auth_refused = lambda: self.auth.refused
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
+        security.secure_server(self.sock, self.keys, security.CURVE, self.max_frame_bytes)
         monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(f"tcp://{self.host}:{self.control_port}")
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=2.0)
         await runner.setup()
         await web.TCPSite(runner, self.host, self.api_port).start()
-        log.info("master %s: API http://%s:%d, control tcp://%s:%d, stages %s",
-                 self.master_id, self.host, self.api_port, self.host, self.control_port,
-                 ", ".join(self.stage_names))
+        admin = web.AppRunner(self.admin.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+        await admin.setup()
+        await web.TCPSite(admin, self.host, self.admin_port).start()
+        log.info("master %s: API http://%s:%d%s, admin http://%s:%d%s, control tcp://%s:%d, stages %s",
+                 self.master_id, self.host, self.api_port, " (API key required)" if self.api.api_key else "",
+                 self.host, self.admin_port, "" if self.admin.token else " (off: no admin token)",
+                 self.host, self.control_port, ", ".join(self.stage_names))
         tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop()),
                  asyncio.create_task(self._disconnect_loop(monitor))]
         try:
             await stop.wait()
+            await self.drain(drain_timeout_s)
         finally:
             for t in tasks:
                 t.cancel()
             await runner.cleanup()
+            await admin.cleanup()
             self.sock.disable_monitor()
             monitor.close()
             self.sock.close()
+            self.auth.stop()
             ctx.term()
+
+
+def replicas_bound(doc: OmniPipeline) -> int:
+    """Registrations a stage may hold: what its spec can ask for, doubled (rollouts surge), at least a floor."""
+    most = 1
+    for s in doc.spec.stages:
+        host = doc.spec.stage(s.colocate_with) if s.colocate_with else s
+        n = host.autoscaling.max_replicas if host.autoscaling else (host.replicas or 1)
+        most = max(most, n)
+    return max(C.MIN_REPLICAS_BOUND, 2 * most)
+
+
+def data_host(addr: str) -> str | None:
+    """The IP of a tcp://IP:PORT data address (None when it is not one)."""
+    if not addr.startswith("tcp://"):
+        return None
+    host, sep, port = addr[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+def _peer_address(frame) -> str | None:
+    try:
+        return str(ipaddress.ip_address(frame.get("Peer-Address")))
+    except (zmq.ZMQError, ValueError, AttributeError):
+        return None  # not over TCP (ipc, inproc): nothing to compare
 
 
 def _log_send_error(fut: asyncio.Future) -> None:
@@ -239,13 +364,13 @@ def _log_send_error(fut: asyncio.Future) -> None:
         log.warning("send failed: %s", fut.exception())
 
 
-def run_master(doc: OmniPipeline, **kwargs) -> int:
+def run_master(doc: OmniPipeline, drain_timeout_s: float = C.MASTER_DRAIN_TIMEOUT_S, **kwargs) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await Master(doc, **kwargs).serve(stop)
+        await Master(doc, **kwargs).serve(stop, drain_timeout_s)
 
     asyncio.run(main())
     return 0

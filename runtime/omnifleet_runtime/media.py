@@ -6,7 +6,9 @@ Final audio stages send samples as `wire.Array`s (float32/float64 in [-1, 1],
 or int16; [samples] or [samples, channels]), bare or as `{"audio": ...,
 "sample_rate": hz}` (`sr` is accepted too; a bare array is 24 kHz). The master
 never imports numpy, torch or Pillow for this: PNG is zlib + struct, WAV is
-the `wave` module.
+the `wave` module. Encoding is CPU work: the API runs it in a worker thread,
+never on its event loop, and refuses (MediaError) an image of more than
+`max_pixels` or audio of more than `max_seconds` before encoding anything.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def images_of(payload: Any) -> list[bytes]:
+def images_of(payload: Any, max_pixels: int | None = None) -> list[bytes]:
     """PNGs of the images in one final-output chunk."""
     if isinstance(payload, dict):
         payload = payload.get("images", payload.get("image"))
@@ -79,6 +81,8 @@ def images_of(payload: Any) -> list[bytes]:
         if len(shape) != 4:
             raise MediaError(f"an image array must be [h, w], [h, w, c] or [n, h, w, c], got {list(a.shape)}")
         n, h, w, c = shape
+        if max_pixels is not None and h * w > max_pixels:
+            raise MediaError(f"a {w}x{h} image is more than the {max_pixels} pixels the master encodes")
         view = memoryview(a.data).cast("B")
         size = h * w * c
         out += [png(view[i * size:(i + 1) * size], w, h, c) for i in range(n)]
@@ -95,7 +99,7 @@ class Audio:
     channels: int
 
 
-def audio_of(payload: Any) -> Audio:
+def audio_of(payload: Any, max_seconds: float | None = None) -> Audio:
     """16-bit PCM of one final-output chunk."""
     rate = DEFAULT_SAMPLE_RATE
     if isinstance(payload, dict):
@@ -109,6 +113,8 @@ def audio_of(payload: Any) -> Audio:
     if len(shape) not in (1, 2):
         raise MediaError(f"audio must be [samples] or [samples, channels], got {list(shape)}")
     channels = shape[1] if len(shape) == 2 else 1
+    if max_seconds is not None and shape[0] > max_seconds * rate:
+        raise MediaError(f"{shape[0] / rate:.1f}s of audio is more than the {max_seconds:g}s the master encodes")
     raw = memoryview(payload.data).cast("B")
     if payload.dtype == "int16":
         samples = array("h")
@@ -132,7 +138,7 @@ def _le(samples: array, native: bool = True) -> bytes:
     return samples.tobytes()
 
 
-def join_audio(chunks: list[Audio]) -> Audio:
+def join_audio(chunks: list[Audio], max_seconds: float | None = None) -> Audio:
     if not chunks:
         return Audio(b"", DEFAULT_SAMPLE_RATE, 1)
     first = chunks[0]
@@ -140,6 +146,9 @@ def join_audio(chunks: list[Audio]) -> Audio:
         if (c.sample_rate, c.channels) != (first.sample_rate, first.channels):
             raise MediaError(f"audio chunks disagree: {first.sample_rate} Hz x {first.channels} then "
                              f"{c.sample_rate} Hz x {c.channels}")
+    seconds = sum(len(c.pcm) for c in chunks) / (2 * first.channels * first.sample_rate)
+    if max_seconds is not None and seconds > max_seconds:
+        raise MediaError(f"{seconds:.1f}s of audio is more than the {max_seconds:g}s the master encodes")
     return Audio(b"".join(c.pcm for c in chunks), first.sample_rate, first.channels)
 
 

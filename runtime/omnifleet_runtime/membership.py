@@ -19,6 +19,7 @@ class Replica:
     inflight: int = 0  # as the replica reports
     queue_depth: int = 0
     draining: bool = False
+    dropped: int = 0  # messages over the bounds, as the replica reports
     bytes: dict[str, int] = field(default_factory=lambda: {"tcp": 0, "shm": 0, "master": 0})
 
     def __str__(self) -> str:
@@ -31,6 +32,8 @@ class Membership:
         self.timeout_s = timeout_s
         self._by_identity: dict[bytes, Replica] = {}
         self._changed = asyncio.Event()
+        # The last registration refused, by stage (known stages only: the map stays bounded).
+        self.refusals: dict[str, tuple[float, str]] = {}
 
     def _notify(self) -> None:
         self._changed.set()
@@ -54,11 +57,18 @@ class Membership:
         self._notify()
         return old
 
+    def refused(self, stage: str, reason: str, now: float) -> None:
+        if stage in self.stages:
+            self.refusals[stage] = (now, reason)
+
     def leave(self, identity: bytes) -> Replica | None:
         rep = self._by_identity.pop(identity, None)
         if rep is not None:
             self._notify()
         return rep
+
+    def find(self, stage: str, replica: str) -> Replica | None:
+        return next((r for r in self._by_identity.values() if (r.stage, r.replica) == (stage, replica)), None)
 
     def get(self, identity: bytes) -> Replica | None:
         return self._by_identity.get(identity)

@@ -13,8 +13,13 @@ images only): then only those final stages and the stages they depend on run.
 
 When a replica is lost, a request that has not streamed anything to its
 client is dispatched again as a new attempt (its other stage tasks are
-aborted; messages of an old attempt are ignored); one that has streamed ends
-with an error event. A request waits, bounded, for a stage with no replica.
+aborted; messages of an old attempt are ignored), at most `max_redispatches`
+times, so a request that kills or wedges whatever runs it takes down a
+bounded number of replicas; one that has streamed ends with an error event.
+A request waits, bounded, for a stage with no replica. Every request has a
+deadline: past it, it is aborted in every stage and ends with a 504 event.
+The events waiting for the client are bounded too: a client that does not
+read its stream ends its request instead of growing the master's memory.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import wire
+from . import tracing, wire
 from .membership import Membership, Replica
 from .metrics import MasterMetrics
 from .schema import PipelineSpec
 from .validate import topological_order
 
 log = logging.getLogger("omnifleet.orchestrator")
+
+EVENTS_MAX = 4096  # final-output chunks queued for one client before the request is failed
 
 
 class NoReplica(Exception):
@@ -58,7 +65,7 @@ class Run:
     info: wire.RequestInfo
     sampling: dict[str, dict[str, Any]]
     started: float = field(default_factory=time.monotonic)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(EVENTS_MAX + 1))  # + the last event
     attempt: int = 0
     plan: dict[str, Replica] = field(default_factory=dict)
     pending: set[str] = field(default_factory=set)  # stages of this attempt not done yet
@@ -67,6 +74,12 @@ class Run:
     closed: bool = False
     stages: list[str] = field(default_factory=list)  # the stages this request runs, in order
     final: frozenset[str] = frozenset()  # the final stages whose outputs the client gets
+    timeout_s: float = 0.0
+    expiry: asyncio.TimerHandle | None = None
+    first_outputs: set[str] = field(default_factory=set)  # final stages that have sent a chunk
+    done_at: dict[str, float] = field(default_factory=dict)  # this attempt's finished stages
+    span: Any = None  # the request's trace span; one child per stage attempt in `spans`
+    spans: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -81,12 +94,14 @@ class Orchestrator:
         send: Callable[[bytes, wire.Msg], None],
         metrics: MasterMetrics,
         replica_wait_s: float,
+        max_redispatches: int = 1,
     ):
         self.spec = spec
         self.membership = membership
         self.send = send
         self.metrics = metrics
         self.replica_wait_s = replica_wait_s
+        self.max_redispatches = max_redispatches
         self.order = topological_order(spec)
         self.final = {s.name for s in spec.stages if s.final_output != "none"}
         self.downstream = {s.name: [t.name for t in spec.stages if s.name in t.inputs] for s in spec.stages}
@@ -107,18 +122,22 @@ class Orchestrator:
         return [s for s in self.order if s in need]
 
     def start(self, info: wire.RequestInfo, sampling: dict[str, dict[str, Any]],
-              final: set[str] | None = None) -> Run:
+              final: set[str] | None = None, timeout_s: float = 600.0) -> Run:
         """Admit and dispatch a request, or raise NoReplica naming the stages without one.
 
         final: the final stages the client wants (default: all of them).
+        timeout_s: the request's deadline, after which it is aborted everywhere.
         """
         final = frozenset(self.final if final is None else final)
         stages = self.needed(final)
         missing = [s for s in self.membership.missing() if s in stages]
         if missing:
             raise NoReplica(missing)
-        run = Run(info, sampling, stages=stages, final=final)
+        run = Run(info, sampling, stages=stages, final=final, timeout_s=timeout_s)
+        run.span = tracing.start("request", attributes={"omnifleet.request_id": run.id, "omnifleet.api": info.kind,
+                                                        "omnifleet.stages": ",".join(stages)}, server=True)
         self.runs[run.id] = run
+        run.expiry = asyncio.get_running_loop().call_later(timeout_s, self._expire, run)
         self._dispatch(run, self._plan(run))
         return run
 
@@ -134,13 +153,15 @@ class Orchestrator:
         return plan
 
     def _dispatch(self, run: Run, plan: dict[str, Replica]) -> None:
-        run.plan, run.pending, run.dispatched_at = plan, set(plan), time.monotonic()
+        run.plan, run.pending, run.dispatched_at, run.done_at = plan, set(plan), time.monotonic(), {}
         for rep in plan.values():
             rep.outstanding += 1
             rep.assigned += 1
         # Downstream first, so a replica usually knows a request before its data arrives.
         for name in reversed(run.stages):
             rep = plan[name]
+            span = run.spans[name] = tracing.start(f"stage {name}", run.span, {
+                "omnifleet.stage": name, "omnifleet.replica": rep.replica, "omnifleet.attempt": run.attempt})
             routes = [
                 wire.Route(d, plan[d].replica, plan[d].data_addr, local=plan[d].replica == rep.replica)
                 for d in self.downstream[name] if d in plan
@@ -148,7 +169,7 @@ class Orchestrator:
             self.send(rep.identity, wire.Dispatch(
                 request_id=run.id, attempt=run.attempt, stage=name, info=run.info,
                 sampling_params=run.sampling.get(name, {}), inputs=list(self.spec.stage(name).inputs),
-                routes=routes, final=name in run.final,
+                routes=routes, final=name in run.final, traceparent=tracing.traceparent(span),
             ))
 
     async def _redispatch(self, run: Run) -> None:
@@ -166,11 +187,12 @@ class Orchestrator:
                 return
             await self.membership.wait_change(left)
 
-    def _release(self, run: Run, abort: bool) -> None:
+    def _release(self, run: Run, abort: bool, why: str = "released") -> None:
         """Forget this attempt's unfinished stage tasks (telling their replicas to stop)."""
         for name in run.pending:
             rep = run.plan[name]
             rep.outstanding -= 1
+            tracing.end(run.spans.pop(name, None), why)
             if abort:
                 self.send(rep.identity, wire.Abort(run.id, run.attempt))
         run.pending = set()
@@ -178,7 +200,10 @@ class Orchestrator:
     def _close(self, run: Run, event: Event, outcome: str) -> None:
         run.closed = True
         self.runs.pop(run.id, None)
-        run.events.put_nowait(event)
+        if run.expiry is not None:
+            run.expiry.cancel()
+        run.events.put_nowait(event)  # the queue keeps a place for it
+        tracing.end(run.span, event.message if event.kind == "error" else None)
         self.metrics.requests.inc(api=run.info.kind, outcome=outcome)
         self.metrics.request_latency.observe(time.monotonic() - run.started)
 
@@ -186,14 +211,20 @@ class Orchestrator:
         if run.closed:
             return
         log.warning("request %s failed: %s", run.id, message)
-        self._release(run, abort=True)
+        self._release(run, abort=True, why=message)
         self._close(run, Event("error", message=message, status=status, code=code), code)
+
+    def _expire(self, run: Run) -> None:
+        if not run.closed:
+            self.metrics.deadlines.inc(api=run.info.kind)
+            self._fail(run, f"the request did not finish within its deadline of {run.timeout_s:g}s; "
+                            "it was aborted in every stage", status=504, code="deadline_exceeded")
 
     def abort(self, run: Run) -> None:
         """The client went away: stop the request in every stage."""
         if not run.closed:
             log.info("request %s: the client went away; aborting it in every stage", run.id)
-            self._release(run, abort=True)
+            self._release(run, abort=True, why="aborted by the client")
             self._close(run, Event("error", message="aborted by the client", status=499, code="aborted"),
                         "aborted")
 
@@ -210,6 +241,14 @@ class Orchestrator:
         if not run.streamed:
             run.streamed = True
             self.metrics.first_output_latency.observe(time.monotonic() - run.started)
+        if run.events.qsize() >= EVENTS_MAX:
+            self._fail(run, f"the client did not read its answer: {EVENTS_MAX} chunks were waiting for it",
+                       status=503, code="client_too_slow")
+            return
+        if msg.stage not in run.first_outputs:
+            run.first_outputs.add(msg.stage)
+            self.metrics.time_to_first_output.observe(time.monotonic() - run.started, stage=msg.stage,
+                                                      output=self.spec.stage(msg.stage).final_output)
         run.events.put_nowait(Event("output", stage=msg.stage, payload=msg.payload))
 
     def on_done(self, rep: Replica, msg: wire.Done) -> None:
@@ -218,11 +257,29 @@ class Orchestrator:
             return
         run.pending.discard(msg.stage)
         rep.outstanding -= 1
-        self.metrics.hop_latency.observe(time.monotonic() - run.dispatched_at, stage=msg.stage)
-        if msg.error is not None:
+        now = run.done_at[msg.stage] = time.monotonic()
+        self.metrics.hop_latency.observe(now - run.dispatched_at, stage=msg.stage)
+        tracing.end(run.spans.pop(msg.stage, None), msg.error)
+        if msg.error is not None and msg.bad_input:
+            self._fail(run, f"stage {msg.stage!r} refused the request: {msg.error}", status=400,
+                       code="invalid_request_error")
+        elif msg.error is not None:
             self._fail(run, f"stage {msg.stage!r} (replica {rep.replica}) failed: {msg.error}")
         elif not run.pending:
+            self._observe_shares(run)
             self._close(run, Event("end"), "ok")
+
+    def _observe_shares(self, run: Run) -> None:
+        """Each stage's share of a finished request: from the last of its inputs finishing until it finished.
+
+        A stage counts as finished no earlier than its inputs (a stream-mode stage's Done may overtake its
+        upstream's on another connection), so along a chain the shares add up to dispatch-to-last-Done.
+        """
+        end: dict[str, float] = {}
+        for name in run.stages:  # in topological order
+            start = max((end[u] for u in self.spec.stage(name).inputs if u in end), default=run.dispatched_at)
+            end[name] = max(run.done_at[name], start)
+            self.metrics.request_stage.observe(end[name] - start, stage=name)
 
     def on_replica_lost(self, rep: Replica, why: str) -> None:
         # Its answers to control calls will not come (a new session is a new identity).
@@ -237,9 +294,15 @@ class Orchestrator:
                 self._fail(run, f"replica {rep.replica} of stage {rep.stage!r} {why} after output was "
                                 f"streamed; the request cannot be retried", status=502, code="replica_lost")
                 continue
+            if run.attempt >= self.max_redispatches:
+                self._fail(run, f"replica {rep.replica} of stage {rep.stage!r} {why} while holding the request, "
+                                f"which was dispatched {run.attempt + 1} time(s) already "
+                                f"(at most {self.max_redispatches} re-dispatch(es))",
+                           status=502, code="replica_lost")
+                continue
             log.info("request %s: replica %s %s; dispatching again", run.id, rep, why)
             self.metrics.redispatches.inc(stage=rep.stage)
-            self._release(run, abort=True)
+            self._release(run, abort=True, why=f"replica {rep.replica} of stage {rep.stage!r} {why}")
             run.attempt += 1
             task = asyncio.get_running_loop().create_task(self._redispatch(run))
             self._tasks.add(task)

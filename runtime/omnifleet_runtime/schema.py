@@ -114,6 +114,75 @@ class LocalObjectReference(Model):
     name: str = Field(min_length=1, max_length=253, description="Object name.")
 
 
+class SecretKeySelector(Model):
+    """A key of a Secret in the pipeline's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
+
+
+class IPBlock(Model):
+    """A CIDR range, as in a NetworkPolicy peer."""
+
+    cidr: str = Field(min_length=1, max_length=64, description="The range, e.g. 2001:db8::/64.")
+    except_: list[Annotated[str, Field(max_length=64)]] = Field(
+        default_factory=list, alias="except", max_length=64, description="Ranges inside cidr to leave out.")
+
+
+class NetworkPolicyPeer(Model):
+    """Who may reach a port: pods by label, namespaces by label, or a CIDR range (one NetworkPolicy peer)."""
+
+    model_config = ConfigDict(json_schema_extra=cel(
+        ("has(self.podSelector) || has(self.namespaceSelector) || has(self.ipBlock)",
+         "set podSelector, namespaceSelector or ipBlock"),
+        ("!has(self.ipBlock) || (!has(self.podSelector) && !has(self.namespaceSelector))",
+         "ipBlock does not combine with selectors"),
+    ))
+
+    pod_selector: FreeForm | None = Field(None, description="A label selector of pods.")
+    namespace_selector: FreeForm | None = Field(None, description="A label selector of namespaces.")
+    ip_block: IPBlock | None = Field(None, description="A CIDR range.")
+
+
+class ApiLimits(Model):
+    """Bounds the master's HTTP API enforces on every request (400 naming the field, or 429 when full)."""
+
+    model_config = ConfigDict(json_schema_extra=cel(
+        ("!has(self.requestTimeoutSeconds) || !has(self.maxRequestTimeoutSeconds) || "
+         "self.requestTimeoutSeconds <= self.maxRequestTimeoutSeconds",
+         "requestTimeoutSeconds must not exceed maxRequestTimeoutSeconds"),
+    ))
+
+    max_inflight: int = Field(
+        256, ge=1, le=100000,
+        description="Requests the master serves at once; more get 429 with Retry-After. Default: 256.")
+    request_timeout_seconds: float = Field(
+        600.0, gt=0, le=86400,
+        description="Deadline of a request: past it the request is aborted in every stage and answered 504. "
+        "A request may ask for another (`timeout`, seconds) up to maxRequestTimeoutSeconds. Default: 600.")
+    max_request_timeout_seconds: float = Field(
+        3600.0, gt=0, le=86400, description="The longest deadline a request may ask for. Default: 3600.")
+    max_redispatches: int = Field(
+        1, ge=0, le=10,
+        description="Times a request is dispatched again after a replica holding it was lost. Default: 1.")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024, description="Largest request body. Default: 16 MiB.")
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1, le=100_000_000,
+        description="Characters (or token ids) of a prompt, or of all chat messages together. Default: 1000000.")
+    max_messages: int = Field(2048, ge=1, le=1_000_000, description="Chat messages per request. Default: 2048.")
+    max_tokens: int = Field(
+        32768, ge=1, le=10_000_000,
+        description="Largest max_tokens (max_completion_tokens) a request, or any of its stages, may ask for. "
+        "Default: 32768.")
+    max_n: int = Field(16, ge=1, le=1024, description="Largest `n` (choices or images per request). Default: 16.")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, le=1 << 31,
+        description="Pixels (width x height) of one image, asked for or encoded. Default: 16777216 (4096x4096).")
+    max_audio_seconds: float = Field(
+        600.0, gt=0, le=86400, description="Seconds of audio the master encodes for one request. Default: 600.")
+
+
 class ModelVolume(Model):
     """Where model weights live; mounted read-only at /models in every stage pod."""
 
@@ -138,8 +207,8 @@ class ModelVolume(Model):
 VOLUME_SOURCES = ("configMap", "secret", "emptyDir", "persistentVolumeClaim", "projected",
                   "downwardAPI", "csi", "ephemeral")
 # Names and paths the operator's own volumes use in every pod.
-RESERVED_VOLUMES = ("config", "dshm", "models", "tmp")
-RESERVED_MOUNT_PATHS = (C.CONFIG_DIR, C.SHM_DIR, C.MODEL_DIR, C.TMP_DIR)
+RESERVED_VOLUMES = ("config", "dshm", "models", "tmp", "keys")
+RESERVED_MOUNT_PATHS = (C.CONFIG_DIR, C.SHM_DIR, C.MODEL_DIR, C.TMP_DIR, C.KEYS_DIR)
 
 
 class Volume(Model):
@@ -190,6 +259,45 @@ class Autoscaling(Model):
     )
 
 
+class Heartbeat(Model):
+    """Heartbeats between the master and stage replicas (both ways): how a silent peer is found.
+
+    A process that exits closes its connection and is dropped at once; the
+    timeout decides only silent failures (a lost node, a partition, a hung process).
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            ("!has(self.intervalSeconds) || !has(self.timeoutSeconds) || "
+             "self.timeoutSeconds >= 2.0 * self.intervalSeconds",
+             "timeoutSeconds must be at least twice intervalSeconds"),
+        )
+    )
+
+    interval_seconds: float = Field(
+        C.HEARTBEAT_INTERVAL_S, gt=0, le=60, description=f"Seconds between heartbeats. Default: {C.HEARTBEAT_INTERVAL_S:g}."
+    )
+    timeout_seconds: float = Field(
+        C.HEARTBEAT_TIMEOUT_S, gt=0, le=3600,
+        description=f"A peer silent this long is dead (its requests move or fail). Default: {C.HEARTBEAT_TIMEOUT_S:g}. "
+        "A process that was itself stalled (CPU starvation, a paused VM) does not count the stall as silence.",
+    )
+
+
+class Monitoring(Model):
+    """Objects of the Prometheus Operator (monitoring.coreos.com) that scrape this pipeline."""
+
+    pod_monitor: bool = Field(
+        False, description="Render a PodMonitor scraping the master (/metrics on its API port) and every stage "
+        "pod (/metrics on port `metrics`). Needs the Prometheus Operator's CRDs.",
+    )
+    interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$", description="Scrape interval. Default: 30s.")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra labels of the PodMonitor, e.g. the `release` label a Prometheus' podMonitorSelector matches.",
+    )
+
+
 class Master(Model):
     """The CPU-only master pod: orchestrator, registration server and HTTP API."""
 
@@ -206,7 +314,23 @@ class Master(Model):
     volume_mounts: list[VolumeMount] = Field(
         default_factory=list, max_length=32, description="Mounts of `volumes` in the master container.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the master pod must match.")
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=64, description="Annotations of the master pod (not omnifleet.dev/ keys).")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Tolerations of the master pod.")
+    api_key_secret: SecretKeySelector | None = Field(
+        None, description="A Secret key holding the API key of the inference endpoints: clients send "
+        "`Authorization: Bearer <key>` (401 without it). Default: no key.")
+    admin_token_secret: SecretKeySelector | None = Field(
+        None, description="A Secret key holding the token of the admin port (`/v1/stages`, control RPCs): "
+        "`Authorization: Bearer <token>`. Without it the admin endpoints refuse every call.")
+    admin_sources: list[NetworkPolicyPeer] = Field(
+        default_factory=list, max_length=32,
+        description="NetworkPolicy peers (podSelector, namespaceSelector, ipBlock) allowed to reach the admin "
+        "port. Default: none (kubectl port-forward still reaches it).")
+    trust_request_chat_template: bool = Field(
+        False, description="Let requests bring their own chat template (`chat_template`, "
+        "`chat_template_kwargs.chat_template`); refused with 400 otherwise. Templates run code in the stages.")
+    limits: ApiLimits = Field(default_factory=ApiLimits, description="Bounds of the HTTP API.")
 
 
 class VllmOmniStage(Model):
@@ -322,12 +446,20 @@ class Stage(Model):
         default_factory=list, max_length=32,
         description="Mounts of this stage's `volumes` (of its host's and its own, for a co-located stage).")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels this stage's pods must match.")
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=64,
+        description="Annotations of this stage's pods, e.g. karpenter.sh/do-not-disrupt (not omnifleet.dev/ keys).")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description="Tolerations of this stage's pods.")
     affinity: FreeForm | None = Field(None, description="A Kubernetes Affinity for this stage's pods.")
     shm_size: Quantity = Field("1Gi", description="Size of the memory-backed /dev/shm.")
     colocate_with: str | None = Field(
         None, max_length=63,
         description="Run in the pods of this host stage, sharing its GPUs, /dev/shm, replicas and autoscaling.",
+    )
+    egress: Literal["pipeline", "any"] = Field(
+        "pipeline",
+        description="Where this stage's pods may connect: pipeline (the pipeline's own pods and DNS) or any "
+        "(for stages that fetch models or call out). A co-located stage's pods allow any if one of its stages does.",
     )
 
     @property
@@ -338,6 +470,23 @@ class Stage(Model):
         if self.input_mode is not None:
             return self.input_mode
         return "stream" if self.type in ("python", "torch") else "whole"
+
+
+class Security(Model):
+    """How the pipeline's pods talk to each other."""
+
+    data_plane: Literal["curve", "plain-auth"] = Field(
+        "curve",
+        description="Stage data ports: curve (CurveZMQ, authenticated and encrypted) or plain-auth (ZMQ PLAIN with "
+        "the pipeline's token: authenticated, not encrypted; for networks that already encrypt, e.g. a service "
+        "mesh or WireGuard). The master's control port always uses CurveZMQ.",
+    )
+    check_peer_address: bool = Field(
+        True,
+        description="Refuse a stage registration whose advertised data address is not the IP its connection comes "
+        "from. Turn off only behind a proxy that rewrites source addresses (a sidecar mesh such as Istio's, where "
+        "connections arrive from 127.0.0.6).",
+    )
 
 
 class PipelineSpec(Model):
@@ -364,6 +513,12 @@ class PipelineSpec(Model):
     )
     model_volume: ModelVolume | None = Field(None, description="Volume with model weights, mounted read-only at /models.")
     master: Master = Field(default_factory=Master, description="The master pod.")
+    security: Security = Field(default_factory=Security, description="Wire security between the pipeline's pods.")
+    monitoring: Monitoring | None = Field(None, description="Prometheus Operator objects for this pipeline.")
+    heartbeat: Heartbeat | None = Field(
+        None, description="Heartbeat interval and timeout between master and stages. "
+        f"Default: {C.HEARTBEAT_INTERVAL_S:g} s and {C.HEARTBEAT_TIMEOUT_S:g} s."
+    )
     stages: list[Stage] = Field(min_length=1, max_length=MAX_STAGES, description="The stages, in any order.")
 
     def stage(self, name: str) -> Stage:

@@ -25,6 +25,7 @@ import inspect
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -34,11 +35,13 @@ from typing import Any, AsyncIterator
 
 import zmq
 import zmq.asyncio
+from aiohttp import web
 from zmq.utils.monitor import parse_monitor_message
 
 from . import constants as C
-from . import shm, wire
-from .engines import Engine, EngineRequest, EngineStartError, load_callable, make_engine
+from . import security, shm, tracing, wire
+from .engines import BadInput, Engine, EngineRequest, EngineStartError, load_callable, make_engine
+from .metrics import CONTENT_TYPE, StageMetrics, audio_seconds
 from .schema import OmniPipeline
 from .turns import StallWatch, Turns
 
@@ -48,6 +51,9 @@ _EOF = object()
 PENDING_MAX = 10_000  # requests whose data arrived before their Dispatch
 PENDING_TTL_S = 60.0
 PEER_SOCKETS_MAX = 256
+# Shared-memory files of this pod older than this are leftovers (a reader that died): swept.
+SHM_LEFTOVER_AGE_S = 2 * PENDING_TTL_S
+INPUTS_MAX = 4096  # input chunks of one request waiting for the engine; past it the request fails
 
 
 class Refused(Exception):
@@ -106,6 +112,13 @@ class Job:
     whole: dict[str, list[Any]] = field(default_factory=dict)
     task: asyncio.Task | None = None
     started: bool = False
+    # For the metrics: when it was dispatched, got its first input, sent its last chunk; audio made.
+    dispatched: float = field(default_factory=time.monotonic)
+    first_input: float = 0.0
+    last_chunk: float = 0.0
+    audio_s: float = 0.0
+    span: Any = None  # this attempt's trace span here; one child per route in `transfers`
+    transfers: dict[str, list] = field(default_factory=dict)  # route -> [span, bytes, chunks]
 
     @property
     def key(self) -> tuple[str, int]:
@@ -115,6 +128,8 @@ class Job:
         while (item := await self.inputs.get()) is not _EOF:
             if isinstance(item, BaseException):
                 raise item
+            if not self.first_input:
+                self.first_input = time.monotonic()
             yield item
 
 
@@ -130,8 +145,18 @@ class StageWorker:
         data_port: int = C.STAGE_DATA_PORT,
         advertise_host: str = "127.0.0.1",
         drain_timeout_s: float = C.DRAIN_TIMEOUT_S,
+        keys: security.Keys | None = None,
+        max_frame_bytes: int = C.MAX_DATA_FRAME_BYTES,
+        heartbeat_interval_s: float = C.HEARTBEAT_INTERVAL_S,
+        heartbeat_timeout_s: float = C.HEARTBEAT_TIMEOUT_S,
     ):
+        if keys is None:
+            raise ValueError("a stage needs the pipeline's keys")
         self.doc = doc
+        self.keys, self.max_frame_bytes = keys, max_frame_bytes
+        self.data_plane = doc.spec.security.data_plane
+        self.dropped = 0
+        self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.stage = doc.spec.stage(stage)
         self.replica = replica
         self.master_addr = master_addr
@@ -152,7 +177,10 @@ class StageWorker:
         self.stopping = asyncio.Event()
         self.control_tasks: set[asyncio.Task] = set()
         self.draining = False
+        self.on_registered = self.on_engine_died = None
         self.exit_code = 0
+        self.metrics = StageMetrics(stage, lambda: {
+            "inflight": len(self.jobs), "queue_depth": self.queued, "early_data": len(self.pending)})
 
     # ------------------------------------------------------------ lifecycle
 
@@ -162,13 +190,22 @@ class StageWorker:
         if self.stage.input_processor:
             self.processor = load_callable(self.stage.input_processor)
 
-    async def main(self, on_ready=None) -> int:
+    def _set_registered(self, flag: bool) -> None:
+        if self.on_registered is not None:
+            self.on_registered(flag)
+
+    async def main(self, on_ready=None, on_metrics=None, on_registered=None, on_engine_died=None) -> int:
+        """on_metrics(port): called with the loopback port serving this worker's /metrics;
+        on_registered(bool): called as this worker starts and stops taking work from the master;
+        on_engine_died(): called once its engine can serve no more."""
+        self.on_registered, self.on_engine_died = on_registered, on_engine_died
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
         timeout = self.stage.engine_start_timeout_seconds or C.ENGINE_START_TIMEOUT_S
         started = start_watchdog(self.stage.name, timeout)  # engines load synchronously: a thread keeps time
         try:
             self.load()
+            self.engine.metrics = self.metrics
             await self.engine.start()
         except EngineStartError as e:  # a known reason (bad engine arg, missing model): one clear line
             log.error("stage %s failed to start: %s", self.stage.name, e)
@@ -178,8 +215,10 @@ class StageWorker:
         if self.engine.max_concurrency:
             self.slots = asyncio.Semaphore(int(self.engine.max_concurrency))
         self.ctx = zmq.asyncio.Context()
+        self.auth = security.start_authenticator(self.ctx, self.keys)  # before the bind: no handshake unchecked
         self.data = self.ctx.socket(zmq.PULL)
         self.data.linger = 0
+        security.secure_server(self.data, self.keys, self.data_plane, self.max_frame_bytes)
         if self.data_port:
             self.data.bind(f"tcp://{self.host}:{self.data_port}")
             port = self.data_port
@@ -187,6 +226,7 @@ class StageWorker:
             port = self.data.bind_to_random_port(f"tcp://{self.host}")
         self.data_addr = f"tcp://{self.advertise_host}:{port}"
         log.info("stage %s/%s: engine loaded, data port %s", self.stage.name, self.replica, self.data_addr)
+        metrics_runner = await self._serve_metrics(on_metrics)
         if on_ready:
             on_ready()
         tasks = [loop.create_task(self._session_loop()), loop.create_task(self._data_loop()),
@@ -201,14 +241,33 @@ class StageWorker:
             await self.engine.shutdown()
         except Exception as e:  # a dead engine may fail to shut down; the exit code already says why
             log.warning("engine shutdown failed: %s: %s", type(e).__name__, e)
+        await metrics_runner.cleanup()
         for sock in [self.data, self.master, *self.peers.values()]:
             if sock is not None:
                 sock.close(linger=0)
+        self.auth.stop()
         self.ctx.term()
         return self.exit_code
 
+    async def _serve_metrics(self, on_metrics) -> web.AppRunner:
+        """This worker's /metrics on a loopback port; the pod's parent serves them to Prometheus."""
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+        app = web.Application()
+        app.add_routes([web.get("/metrics", metrics)])
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        if on_metrics:
+            on_metrics(sock.getsockname()[1])
+        return runner
+
     async def _drain(self) -> None:
         self.draining = True
+        self._set_registered(False)
         log.info("SIGTERM: draining %d request(s), up to %.0fs", len(self.jobs), self.drain_timeout_s)
         await self._send_master(self._heartbeat(), block=False)  # the master stops routing here at once
         deadline = time.monotonic() + self.drain_timeout_s
@@ -235,6 +294,9 @@ class StageWorker:
         self.exit_code = C.EXIT_ENGINE_DIED
         log.error("stage %s: engine died: %s; deregistering and exiting", self.stage.name, reason)
         self.draining = True  # no new session
+        self._set_registered(False)
+        if self.on_engine_died is not None:
+            self.on_engine_died()
         await self._send_master(wire.Deregister(f"engine died: {reason}"), block=False)
         self._abort_all()
         self.stopping.set()
@@ -245,6 +307,7 @@ class StageWorker:
         return wire.StageHeartbeat(
             inflight=len(self.jobs), queue_depth=self.queued, draining=self.draining,
             bytes_tcp=self.bytes["tcp"], bytes_shm=self.bytes["shm"], bytes_master=self.bytes["master"],
+            dropped=self.dropped,
         )
 
     async def _send_master(self, msg: wire.Msg, block: bool = True) -> None:
@@ -269,12 +332,14 @@ class StageWorker:
             sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.immediate = True  # queue nothing for a master that is not connected
+            security.secure_client(sock, self.keys, security.CURVE, C.MAX_CONTROL_FRAME_BYTES)  # control: always CURVE
             sock.routing_id = f"{self.stage.name}/{self.replica}/{uuid.uuid4().hex[:8]}".encode()
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(self.master_addr)
             try:
                 master_id = await self._register(sock)
                 self.master = sock
+                self._set_registered(not self.draining)
                 log.info("registered with master %s at %s", master_id, self.master_addr)
                 why = await self._serve_master(sock, monitor)
                 log.warning("master session ended (%s); registering again", why)
@@ -285,9 +350,11 @@ class StageWorker:
                     self.exit_code = C.EXIT_PROTOCOL_MISMATCH
                     self.stopping.set()
                     return
-                backoff = 5.0
+                # An old connection of this replica not yet closed at the master: soon gone.
+                backoff = 1.0 if "already registered" in str(e) else 5.0
             finally:
                 self.master = None
+                self._set_registered(False)
                 self._abort_all()  # whatever the old master sent us can no longer be delivered
                 sock.disable_monitor()
                 monitor.close(linger=0)
@@ -309,7 +376,7 @@ class StageWorker:
             while (left := deadline - time.monotonic()) > 0:
                 if not await sock.poll(left * 1000):
                     break
-                msg = self._decode_control(await sock.recv_multipart(copy=False))
+                msg = await self._recv_control(sock)
                 if isinstance(msg, wire.RegisterReply):
                     if not msg.ok:
                         raise Refused(msg.reason)
@@ -321,7 +388,8 @@ class StageWorker:
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         last_seen = next_beat = time.monotonic()
-        watch = StallWatch(C.HEARTBEAT_INTERVAL_S)  # this loop wakes at least once per interval
+        interval, timeout = self.heartbeat_interval_s, self.heartbeat_timeout_s
+        watch = StallWatch(interval)  # this loop wakes at least once per interval
         while True:
             now = time.monotonic()
             if stall := watch.stall(now):
@@ -329,11 +397,11 @@ class StageWorker:
                 last_seen += stall
             if now >= next_beat:
                 await self._send_master(self._heartbeat(), block=False)
-                next_beat = now + C.HEARTBEAT_INTERVAL_S
+                next_beat = now + interval
             # Lost only if nothing is waiting: beats may have queued while this loop was busy.
-            if now - last_seen > C.HEARTBEAT_TIMEOUT_S and not await sock.poll(0):
-                return f"no heartbeat from the master for {C.HEARTBEAT_TIMEOUT_S:g}s"
-            ready = dict(await poller.poll(max(0.0, min(next_beat, last_seen + C.HEARTBEAT_TIMEOUT_S) - now)
+            if now - last_seen > timeout and not await sock.poll(0):
+                return f"no heartbeat from the master for {timeout:g}s"
+            ready = dict(await poller.poll(max(0.0, min(next_beat, last_seen + timeout) - now)
                                            * 1000 + 1))
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
@@ -341,7 +409,7 @@ class StageWorker:
                     return "the master's connection closed"
             if sock not in ready:
                 continue
-            msg = self._decode_control(await sock.recv_multipart(copy=False))
+            msg = await self._recv_control(sock)
             if msg is None:
                 continue
             last_seen = time.monotonic()
@@ -352,11 +420,20 @@ class StageWorker:
             except Exception:  # a bug with one request must not end the session
                 log.exception("error handling %s", type(msg).__name__)
 
-    def _decode_control(self, frames: list) -> wire.Msg | None:
+    async def _recv_control(self, sock: zmq.asyncio.Socket) -> wire.Msg | None:
+        try:
+            frames = await security.recv_bounded(sock)
+        except security.Oversized as e:
+            log.warning("dropped a message on the control connection: %s", e)
+            self.dropped += 1
+            return None
+        if frames is None:
+            return None
         try:
             return wire.decode(frames)
         except wire.WireError as e:
             log.warning("rejected frame on the control connection: %s", e)
+            self.metrics.rejected_frames.inc(stage=self.stage.name, socket="control")
             return None
 
     def _on_master_message(self, msg: wire.Msg) -> None:
@@ -364,7 +441,7 @@ class StageWorker:
             self._start_job(msg)
         elif isinstance(msg, wire.Abort):
             job = self.jobs.get((msg.request_id, msg.attempt))
-            self.pending.pop((msg.request_id, msg.attempt), None)
+            self._drop_pending(self.pending.pop((msg.request_id, msg.attempt), []))
             if job is not None and job.task is not None:
                 job.task.cancel()
         elif isinstance(msg, wire.Control):
@@ -386,7 +463,14 @@ class StageWorker:
         for job in list(self.jobs.values()):
             if job.task is not None:
                 job.task.cancel()
+        for items in self.pending.values():
+            self._drop_pending(items)
         self.pending.clear()
+
+    def _drop_pending(self, items: list[tuple[float, wire.Data]]) -> None:
+        """Early data dropped unread: its shared-memory files go with it."""
+        for _, data in items:
+            shm.discard(data.payload, self.shm_prefix)
 
     # ------------------------------------------------------------ requests
 
@@ -396,6 +480,9 @@ class StageWorker:
             log.warning("ignored Dispatch %s for stage %s", key, msg.stage)
             return
         job = Job(msg, waiting=set(msg.inputs), whole={u: [] for u in msg.inputs})
+        job.span = tracing.start(f"process {msg.stage}", tracing.extract(msg.traceparent), {
+            "omnifleet.stage": msg.stage, "omnifleet.replica": self.replica, "omnifleet.attempt": msg.attempt,
+            "omnifleet.request_id": msg.request_id})
         self.jobs[key] = job
         if not msg.inputs:  # the entry stage: its input is the client request
             try:
@@ -425,6 +512,7 @@ class StageWorker:
     def _feed(self, job: Job, data: wire.Data) -> None:
         if data.src not in job.waiting:
             log.warning("request %s: ignored data from %r (not an open input)", data.request_id, data.src)
+            shm.discard(data.payload, self.shm_prefix)
             return
         try:
             if data.eof:
@@ -434,24 +522,29 @@ class StageWorker:
                         self._put(job, self._process(job.whole, job.msg.info))
                     job.inputs.put_nowait(_EOF)
                 return
-            payload = shm.load(data.payload)
+            payload = shm.load(data.payload, self.shm_prefix)
             if self.mode == "stream":
                 self._put(job, self._process({data.src: payload}, job.msg.info))
             else:
                 job.whole[data.src].append(payload)
         except Exception as e:
-            job.waiting.clear()
+            shm.discard(data.payload, self.shm_prefix)
+            job.waiting.clear()  # the rest of this request's data is ignored (and discarded) as it comes
             job.inputs.put_nowait(RuntimeError(f"input processor failed: {type(e).__name__}: {e}"))
 
     @staticmethod
     def _put(job: Job, item: Any) -> None:
-        if item is not None:
-            job.inputs.put_nowait(item)
+        if item is None:
+            return
+        if job.inputs.qsize() >= INPUTS_MAX:  # upstream outruns the engine: fail the request, not the pod
+            raise OverflowError(f"more than {INPUTS_MAX} input chunks are waiting for the engine")
+        job.inputs.put_nowait(item)
 
     async def _run_job(self, job: Job) -> None:
         msg = job.msg
+        outcome, error = "aborted", None
         try:
-            seq, error = 0, None
+            seq, error, bad_input = 0, None, False
             try:
                 await self._acquire_slot()
                 try:
@@ -473,14 +566,28 @@ class StageWorker:
                 if reason := self.engine.dead():  # not this request's fault: it moves to another replica
                     await self._engine_died(reason)
                     return
-                error = f"{type(e).__name__}: {e}"
+                error, bad_input = f"{type(e).__name__}: {e}", isinstance(e, BadInput)
                 log.warning("request %s failed: %s", msg.request_id, error)
-            await self._send_master(wire.Done(msg.request_id, msg.attempt, self.stage.name, seq, error))
+            outcome = "ok" if error is None else "error"
+            await self._send_master(wire.Done(msg.request_id, msg.attempt, self.stage.name, seq, error, bad_input))
         except asyncio.CancelledError:  # aborted by the master, or it is gone: no Done expected
             if self.engine.dead() is None:  # a dead engine holds nothing to free
                 await self.engine.abort(msg.request_id)
         finally:
             self.jobs.pop(job.key, None)
+            self._observe(job, outcome)
+            for route, (span, nbytes, chunks) in job.transfers.items():
+                span.set_attribute("omnifleet.bytes", nbytes)
+                span.set_attribute("omnifleet.chunks", chunks)
+                tracing.end(span, None if outcome == "ok" else outcome)
+            tracing.end(job.span, None if outcome == "ok" else (error if outcome == "error" else "aborted"))
+
+    def _observe(self, job: Job, outcome: str) -> None:
+        m, stage, now = self.metrics, self.stage.name, time.monotonic()
+        m.requests.inc(stage=stage, outcome=outcome)
+        m.request_seconds.observe(now - job.dispatched, stage=stage)
+        if outcome == "ok" and job.audio_s > 0 and job.first_input:
+            m.audio_rtf.observe((job.last_chunk - job.first_input) / job.audio_s, stage=stage)
 
     async def _acquire_slot(self) -> None:
         if self.slots is None:
@@ -492,30 +599,66 @@ class StageWorker:
             self.queued -= 1
 
     async def _emit(self, job: Job, seq: int, out: Any) -> None:
-        msg = job.msg
+        msg, m, stage = job.msg, self.metrics, self.stage.name
+        now = time.monotonic()
+        if seq == 0:
+            m.first_output.observe(now - (job.first_input or job.dispatched), stage=stage)
+        else:
+            m.chunk_seconds.observe(now - job.last_chunk, stage=stage)
+        job.last_chunk = now
+        m.chunks.inc(stage=stage)
+        if self.stage.final_output == "audio":
+            seconds = audio_seconds(out)
+            job.audio_s += seconds
+            m.audio_seconds.inc(seconds, stage=stage)
         remote = None  # one encoding serves every route over the network
         for route in msg.routes:
             if route.local:
                 payload, moved = shm.offload(out, self.shm_prefix)
                 self.bytes["shm"] += moved
+                m.bytes_out.inc(moved, stage=stage, route=route.stage, path="shm")
                 frames = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, payload))
-            else:
-                frames = remote = remote or wire.encode(
-                    wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, out))
+                m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
+                self._transfer(job, route.stage, "shm", moved + wire.frames_nbytes(frames))
+                try:
+                    await self._send_peer(route, frames)
+                except BaseException:  # not sent (failed, or the job was aborted meanwhile): nobody will read it
+                    shm.discard(payload, self.shm_prefix)
+                    raise
+                continue
+            frames = remote = remote or wire.encode(
+                wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, out))
+            m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
+            self._transfer(job, route.stage, "tcp", wire.frames_nbytes(frames))
             await self._send_peer(route, frames)
         if msg.final:
             frames = wire.encode(wire.Output(msg.request_id, msg.attempt, self.stage.name, seq, out))
             self.bytes["master"] += wire.frames_nbytes(frames)
+            m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route="master", path="tcp")
+            self._transfer(job, "master", "tcp", wire.frames_nbytes(frames))
             sock = self.master
             if sock is None:
                 raise ConnectionError("the master is gone")
             await sock.send_multipart(frames, copy=False)
+
+    def _transfer(self, job: Job, route: str, transport: str, nbytes: int) -> None:
+        """Count a chunk into the request's transfer span for this route (started at its first chunk)."""
+        t = job.transfers.get(route)
+        if t is None:
+            span = tracing.start(f"transfer {self.stage.name}->{route}", job.span, {
+                "omnifleet.route": route, "omnifleet.transport": transport})
+            t = job.transfers[route] = [span, 0, 0]
+        elif transport == "shm":  # a chunk too small for shared memory does not change the route's transport
+            t[0].set_attribute("omnifleet.transport", "shm")
+        t[1] += nbytes
+        t[2] += 1
 
     async def _send_peer(self, route: wire.Route, frames: list) -> None:
         sock = self.peers.get(route.addr)
         if sock is None:
             sock = self.peers[route.addr] = self.ctx.socket(zmq.PUSH)
             sock.linger = 0
+            security.secure_client(sock, self.keys, self.data_plane, self.max_frame_bytes)
             sock.connect(route.addr)
             if len(self.peers) > PEER_SOCKETS_MAX:
                 self.peers.popitem(last=False)[1].close(linger=0)
@@ -529,26 +672,38 @@ class StageWorker:
         turns = Turns()
         while True:
             await turns.take()
-            frames = await self.data.recv_multipart(copy=False)
+            try:
+                frames = await security.recv_bounded(self.data)
+            except security.Oversized as e:
+                log.warning("dropped a message on the data port: %s", e)
+                self.dropped += 1
+                continue
+            if frames is None:
+                continue
             try:
                 msg = wire.decode(frames)
                 if not isinstance(msg, wire.Data):
                     raise wire.WireError(f"unexpected {type(msg).__name__} on the data port")
             except wire.WireError as e:
                 log.warning("rejected frame on the data port: %s", e)
+                self.metrics.rejected_frames.inc(stage=self.stage.name, socket="data")
                 continue
+            self.metrics.bytes_in.inc(wire.frames_nbytes(frames), stage=self.stage.name, src=msg.src)
             job = self.jobs.get((msg.request_id, msg.attempt))
             if job is not None:
                 self._feed(job, msg)
             else:  # its Dispatch has not arrived yet (it travels another way)
                 self.pending.setdefault((msg.request_id, msg.attempt), []).append((time.monotonic(), msg))
                 if len(self.pending) > PENDING_MAX:
-                    self.pending.popitem(last=False)
+                    self._drop_pending(self.pending.popitem(last=False)[1])
 
     async def _gc_loop(self) -> None:
-        """Drop early data whose Dispatch never came (the request was aborted meanwhile)."""
+        """Drop early data whose Dispatch never came (the request was aborted meanwhile), and old
+        shared-memory leftovers of this pod."""
         while True:
             await asyncio.sleep(5.0)
             cutoff = time.monotonic() - PENDING_TTL_S
             for key in [k for k, v in self.pending.items() if v[0][0] < cutoff]:
-                del self.pending[key]
+                self._drop_pending(self.pending.pop(key))
+            if n := shm.sweep(self.shm_prefix, older_than_s=SHM_LEFTOVER_AGE_S):
+                log.warning("swept %d shared-memory leftover(s) older than %.0fs", n, SHM_LEFTOVER_AGE_S)

@@ -6,11 +6,13 @@ CEL cannot say (the graph is acyclic, GPU memory shares of co-located stages).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import pydantic
 
+from . import constants as C
 from .schema import RESERVED_MOUNT_PATHS, RESERVED_VOLUMES, VOLUME_SOURCES, OmniPipeline, PipelineSpec
 
 
@@ -78,6 +80,68 @@ def load_pipeline(doc: Any) -> OmniPipeline:
     return parsed
 
 
+# Names and values that say "a secret": as a literal they would be stored in
+# the ConfigMap and the Deployments, readable by anyone who can read those.
+# Whole words of a name only: HF_TOKEN is one, TOKENIZERS_PARALLELISM and vLLM's `tokenizer` are not.
+SECRET_NAME = re.compile(
+    r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIALS?)($|_)", re.I)
+SECRET_VALUE = re.compile(
+    r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|glpat-[\w-]{20,}"
+    r"|xox[abposr]-[\w-]{10,}|AKIA[0-9A-Z]{16}|eyJ[\w-]{10,}\.[\w-]{10,}\.[\w-]*)$")
+SECRET_POINTER = "use valueFrom.secretKeyRef (a Secret) instead: a literal is stored in the ConfigMap and the pods' specs"
+
+
+def pod_parts(spec: PipelineSpec, root: str = "spec") -> list[tuple[str, Any]]:
+    """(path, part) of the master and each stage: the spec parts that carry env, volumes and pod fields."""
+    return [(f"{root}.master", spec.master)] + [(f"{root}.stages[{i}]", s) for i, s in enumerate(spec.stages)]
+
+
+def secret_literals(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
+    """Literal env values and engineArgs that look like tokens, refused with where to put them instead."""
+    out: list[Problem] = []
+    for at, part in pod_parts(spec, root):
+        path = f"{at}.env"
+        for j, e in enumerate(part.env):
+            if e.value and (SECRET_NAME.search(e.name) or SECRET_VALUE.match(e.value.strip())):
+                out.append(Problem(f"{path}[{j}].value", f"{e.name} looks like a secret; {SECRET_POINTER}"))
+    for i, s in enumerate(spec.stages):
+        for key, value in s.engine_args.items():
+            literal = isinstance(value, str) and bool(value)
+            if literal and (SECRET_NAME.search(key) or SECRET_VALUE.match(value.strip())):
+                out.append(Problem(
+                    f"{root}.stages[{i}].engineArgs.{key}",
+                    "looks like a secret; engine arguments are stored in the ConfigMap: put it in a Secret and pass "
+                    "it as an env variable with valueFrom.secretKeyRef (e.g. HF_TOKEN, which vLLM reads)"))
+    return out
+
+
+def keys_references(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
+    """References to Secrets named like a pipeline's ZMQ keys, refused.
+
+    The operator mounts what a pipeline names, so without this an author who
+    may not read Secrets could mount another pipeline's keys (and then speak
+    for its stages); a pipeline's own keys are mounted by the operator.
+    """
+    out: list[Problem] = []
+    suffix = C.KEYS_SECRET_SUFFIX
+
+    def check(path: str, name: Any) -> None:
+        if isinstance(name, str) and name.endswith(suffix):
+            out.append(Problem(path, f"Secret {name!r}: names ending in {suffix!r} are reserved for pipelines' "
+                                     f"ZMQ keys, which only the operator mounts; rename the Secret"))
+
+    for at, part in pod_parts(spec, root):
+        for j, e in enumerate(part.env):
+            ref = (e.value_from or {}).get("secretKeyRef") or {}
+            check(f"{at}.env[{j}].valueFrom.secretKeyRef.name", ref.get("name"))
+        for j, v in enumerate(part.volumes):
+            check(f"{at}.volumes[{j}].secret.secretName", (v.secret or {}).get("secretName"))
+            for k, src in enumerate((v.projected or {}).get("sources") or []):
+                if isinstance(src, dict):
+                    check(f"{at}.volumes[{j}].projected.sources[{k}].secret.name", (src.get("secret") or {}).get("name"))
+    return out
+
+
 def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
     problems: list[Problem] = []
     add = lambda path, msg: problems.append(Problem(f"{root}.{path}", msg))  # noqa: E731
@@ -127,11 +191,31 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
                 add(f"{at}.image", f"a co-located stage runs in the container of {host!r} and uses its image")
 
     _check_volumes("master", spec.master.volumes, spec.master.volume_mounts, add)
+    for i, peer in enumerate(spec.master.admin_sources):
+        if peer.pod_selector is None and peer.namespace_selector is None and peer.ip_block is None:
+            add(f"master.adminSources[{i}]", "set podSelector, namespaceSelector or ipBlock")
+        elif peer.ip_block is not None and (peer.pod_selector is not None or peer.namespace_selector is not None):
+            add(f"master.adminSources[{i}].ipBlock", "ipBlock does not combine with selectors")
+    limits = spec.master.limits
+    if limits.request_timeout_seconds > limits.max_request_timeout_seconds:
+        add("master.limits.requestTimeoutSeconds", "must not exceed maxRequestTimeoutSeconds")
     for host in spec.hosts():
         group = [(index[s.name], s) for s in spec.stages if s.name == host.name or s.colocate_with == host.name]
         pod_volumes = [(f"stages[{i}].volumes[{j}]", v) for i, s in group for j, v in enumerate(s.volumes)]
         for i, s in group:
             _check_volumes(f"stages[{i}]", s.volumes, s.volume_mounts, add, pod_volumes)
+    problems += secret_literals(spec, root)
+    for at, part in pod_parts(spec, root):
+        for key in part.pod_annotations:
+            if key.split("/")[0].endswith(C.ANNOTATION_DOMAIN):
+                problems.append(Problem(f"{at}.podAnnotations",
+                                        f"{key!r}: {C.ANNOTATION_DOMAIN}/ annotations are the operator's"))
+    problems += keys_references(spec, root)
+
+    hb = spec.heartbeat
+    if hb is not None and hb.timeout_seconds < 2 * hb.interval_seconds:
+        add("heartbeat.timeoutSeconds", f"must be at least twice intervalSeconds ({hb.interval_seconds:g}), "
+                                        f"got {hb.timeout_seconds:g}")
 
     mv = spec.model_volume
     if mv is not None and (mv.claim_name is None) == (mv.host_path is None):

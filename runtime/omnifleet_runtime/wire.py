@@ -134,6 +134,7 @@ class StageHeartbeat(Msg):
     bytes_tcp: int = 0  # payload bytes sent to downstream stages over the network
     bytes_shm: int = 0  # payload bytes handed to co-located stages through shared memory
     bytes_master: int = 0  # final-output bytes sent to the master
+    dropped: int = 0  # messages this replica dropped over the frame-count or size bounds
 
 
 class Output(Msg):
@@ -154,6 +155,7 @@ class Done(Msg):
     stage: str
     chunks: int = 0
     error: str | None = None
+    bad_input: bool = False  # the request itself was wrong: the client gets 400
 
 
 class ControlReply(Msg):
@@ -196,6 +198,7 @@ class Dispatch(Msg):
     inputs: list[str]  # upstream stages whose Data this stage waits for
     routes: list[Route]
     final: bool  # also send Output chunks to the master
+    traceparent: str = ""  # W3C trace context of the master's span for this stage attempt ("": not traced)
 
 
 class Abort(Msg):

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     build.ensure_binaries(verbose=True)  # progress on stderr; instant when cached
-    c = DevCluster(tmp_path_factory.mktemp("devcluster"))
+    c = DevCluster(tmp_path_factory.mktemp("devcluster"), owned=True)  # a killed session leaves nothing
     c.up()
     try:
         dev.add_nodes(c)

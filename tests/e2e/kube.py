@@ -44,6 +44,7 @@ RESOURCES = {
     "OmniPipeline": ("/apis/omnifleet.dev/v1alpha1", "omnipipelines", True),
     "ServiceAccount": ("/api/v1", "serviceaccounts", True),
     "ConfigMap": ("/api/v1", "configmaps", True),
+    "Secret": ("/api/v1", "secrets", True),
     "Service": ("/api/v1", "services", True),
     "Pod": ("/api/v1", "pods", True),
     "Event": ("/api/v1", "events", True),

@@ -5,7 +5,6 @@ diffusion engine in-process (diffusers pipeline and torch-module paths)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import struct
 import wave
@@ -18,9 +17,6 @@ from omnifleet_runtime.engines import EngineRequest, EngineStartError, make_engi
 from omnifleet_runtime.schema import Stage
 from omnifleet_runtime.wire import Array, RequestInfo
 
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-HAS_DIFFUSERS = importlib.util.find_spec("diffusers") is not None
-needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 
 
 # ---------------------------------------------------------------- media (the master's encoders)
@@ -31,7 +27,7 @@ def test_png_round_trips_through_pillow_and_zlib():
     pixels = bytes((x * 40 + y * 7 + c * 90) % 256 for y in range(h) for x in range(w) for c in range(3))
     data = media.png(pixels, w, h, 3)
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and media.png_size(data) == (5, 3)
-    pil = pytest.importorskip("PIL.Image")
+    import PIL.Image as pil  # installed with vLLM; a missing one fails this test
     img = pil.open(io.BytesIO(data))
     assert img.size == (5, 3) and img.mode == "RGB" and img.tobytes() == pixels
     (out,) = media.images_of({"images": Array("uint8", (1, h, w, 3), pixels)})
@@ -111,7 +107,6 @@ def test_unknown_engine_args_are_named_with_suggestions():
     assert "not a field of vllm.AsyncEngineArgs" in msg
 
 
-@needs_torch
 def test_vllm_outputs_carry_extra_tensors_as_wire_arrays():
     import numpy as np
     import torch
@@ -142,7 +137,6 @@ async def paint(engine, item, params) -> dict:
     return out
 
 
-@needs_torch
 def test_diffusion_engine_torch_module_path():
     stage = Stage(name="d", type="diffusion", entrypoint="enginefns:tiny_denoiser",
                   engine_args={"num_inference_steps": 3, "device": "cpu"})
@@ -165,7 +159,6 @@ def test_diffusion_engine_torch_module_path():
     assert u["images"].shape == (1, 8, 12, 3) and u["seed"] == 3
 
 
-@pytest.mark.skipif(not HAS_DIFFUSERS, reason="diffusers is not installed (devsetup.vllm_cpu installs it)")
 def test_diffusion_engine_diffusers_path_with_text_or_token_conditioning():
     from omnifleet_runtime.devsetup.tiny_model import ensure_tiny_model
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omnifleet_operator import render
 from omnifleet_operator.devcluster import commands as dev
 from omnifleet_operator.devcluster import node
 from omnifleet_runtime import constants as C
@@ -35,22 +37,37 @@ LOAD_REQUESTS = 24  # bounded load: this many requests, at most LOAD_CONCURRENCY
 LOAD_CONCURRENCY = 3
 
 
+ADMIN_SECRET, ADMIN_TOKEN = f"{NAME}-admin", secrets.token_hex(16)
+
+
 class Pipeline:
     def __init__(self, cluster, kube: Kube, namespace: str):
         self.cluster, self.kube, self.ns = cluster, kube, namespace
-        self.forward: dev.PortForward | None = None
+        self.forwards: dict[str, dev.PortForward] = {}
+
+    def _forward(self, target: str, port: int) -> str:
+        fwd = self.forwards.get(target)
+        if fwd is None or not fwd.alive():
+            if fwd is not None:
+                fwd.stop()
+            fwd = self.forwards[target] = dev.PortForward(self.cluster, self.ns, target, port)
+        return fwd.url
 
     @property
     def url(self) -> str:
-        if self.forward is None or not self.forward.alive():
-            if self.forward is not None:
-                self.forward.stop()
-            self.forward = dev.PortForward(self.cluster, self.ns, f"svc/{NAME}-master", C.MASTER_API_PORT)
-        return self.forward.url
+        return self._forward(f"svc/{NAME}-master", C.MASTER_API_PORT)
 
-    def post(self, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    @property
+    def admin_url(self) -> str:
+        # The admin port is not on the Service: through the pod, with the token.
+        return self._forward(f"deploy/{NAME}-master", C.MASTER_ADMIN_PORT)
+
+    def post(self, path: str, body: dict, timeout: float = 120, admin: bool = False) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json"}
+        if admin:
+            headers["Authorization"] = f"Bearer {ADMIN_TOKEN}"
+        req = urllib.request.Request(f"{self.admin_url if admin else self.url}{path}", data=json.dumps(body).encode(),
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -65,7 +82,8 @@ class Pipeline:
         return self.post("/v1/chat/completions", {"model": NAME, "messages": CHAT, "return_token_ids": True})
 
     def control(self, stage: str, method: str, args: dict) -> list:
-        status, body = self.post(f"/v1/stages/{stage}/control", {"method": method, "args": args, "timeout": 120})
+        status, body = self.post(f"/v1/stages/{stage}/control", {"method": method, "args": args, "timeout": 120},
+                                 admin=True)
         assert status == 200, body
         answers = list(body["replicas"].values())
         assert answers and all(a["ok"] for a in answers), body
@@ -87,15 +105,18 @@ class Pipeline:
         return [p for p in self.kube.list("Pod", self.ns, sel) if not p["metadata"].get("deletionTimestamp")]
 
     def close(self) -> None:
-        if self.forward is not None:
-            self.forward.stop()
+        for fwd in self.forwards.values():
+            fwd.stop()
 
 
 @pytest.fixture(scope="module")
 def pipe(cluster, kube, model_dir: Path):
     ns = make_namespace(cluster, "tiny-vllm", PSA_RESTRICTED)
     model_claim(cluster, ns, model_dir)
-    cluster.kubectl("apply", "-n", ns, "-f", str(SAMPLE))
+    cluster.kubectl("create", "secret", "generic", ADMIN_SECRET, "-n", ns, f"--from-literal=token={ADMIN_TOKEN}")
+    doc = yaml.safe_load(SAMPLE.read_text())
+    doc["spec"].setdefault("master", {})["adminTokenSecret"] = {"name": ADMIN_SECRET, "key": "token"}
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
     p = Pipeline(cluster, kube, ns)
     try:
         wait_ready(kube, cluster, ns, NAME)
@@ -162,6 +183,17 @@ def test_tokens_through_the_master_service_equal_the_engines_own(pipe: Pipeline)
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == text
         assert body["choices"][0]["token_ids"] == ids
+
+
+def test_admin_calls_need_the_token_and_are_not_on_the_master_service(pipe: Pipeline):
+    status, _ = pipe.post("/v1/stages/planner/control", {"method": "ping", "args": {}})  # the Service's port
+    assert status == 404
+    req = urllib.request.Request(f"{pipe.admin_url}/v1/stages")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 401
+    assert pipe.control("planner", "ping", {}) and pipe.control("writer", "ping", {})
+    assert pipe.post("/v1/stages/planner/control", {"method": "__class__", "args": {}}, admin=True)[0] == 400
 
 
 def test_network_policy_keeps_zmq_ports_to_the_pipelines_own_pods(pipe: Pipeline, cluster, kube):
@@ -236,7 +268,6 @@ def test_a_new_master_gets_the_stages_back_without_reloading_engines(pipe: Pipel
                       and all(s["ready"] for s in p["status"].get("containerStatuses") or [{"ready": False}])],
              180, "a new ready master pod")
     pipe.close()  # the port-forward followed the old pod; the next request opens a new one
-    pipe.forward = None
     wait_for(lambda: _ready(pipe), 120, "the new master to have every stage registered")
     assert pipe.chat()[1]["choices"][0]["token_ids"] == ids
     stages_after = {p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
@@ -246,6 +277,28 @@ def test_a_new_master_gets_the_stages_back_without_reloading_engines(pipe: Pipel
     for pod_name in stages_after:
         loads = [line for line in logs.splitlines() if pod_name in line and "engine loaded" in line]
         assert len(loads) == 1, (pod_name, loads)
+
+
+def test_status_counts_registered_replicas_and_the_operator_reads_the_masters_ready(pipe: Pipeline, cluster, kube):
+    """A stage pod is ready only while registered with the master, so the counts the status shows are
+    registered replicas; the master's /ready answers through the API server's service proxy, as the
+    operator reads it (with the operator's own permissions)."""
+    got = kube.wait_condition(pipe.ns, NAME, "AllStagesReady", timeout=300)
+    for stage in got["status"]["stages"]:
+        assert stage["registeredReplicas"] == stage["desiredReplicas"] >= 1, stage
+
+    def master_ready() -> dict:
+        r = cluster.kubectl("get", "--raw", f"/api/v1/namespaces/{pipe.ns}/services/{NAME}-master:http/proxy/ready",
+                            f"--as={dev.OPERATOR_USER}")
+        return json.loads(r.stdout)
+
+    # Replicas re-register with a master that was just replaced (the test before): the master's count
+    # catches up with the status' (a pod's readiness lags its registration by a probe period).
+    want = {s["name"]: s["registeredReplicas"] for s in got["status"]["stages"]}
+    body = wait_for(lambda: (b := master_ready())["ready"] is True
+                    and {k: v["registered"] for k, v in b["stages"].items()} == want and b, 120,
+                    lambda: f"the master's /ready to count {want}: {master_ready()}")
+    assert body["ready"] is True
 
 
 def _ready(p: Pipeline) -> bool:
@@ -277,6 +330,36 @@ def test_changing_one_stages_engine_args_rolls_only_that_stage_and_requests_comp
     assert after["planner"] == before["planner"] and after["master"] == before["master"]
     assert not (after["writer"] & before["writer"])  # every writer pod replaced
     wait_for(lambda: _ready(pipe), 120, "the master to see the new writers")
+    assert check_outcomes([pipe.chat() for _ in range(3)], text, ids) == {"ok": 3}
+
+
+def test_deleting_the_keys_secret_rolls_every_pod_onto_new_keys_stages_first(pipe: Pipeline, cluster, kube):
+    text, ids = pipe.expected()
+    secret = f"{NAME}-keys"
+
+    def keys() -> dict | None:
+        r = cluster.kubectl("get", "secret", secret, "-n", pipe.ns, "-o", "json", check=False)
+        return json.loads(r.stdout)["data"] if r.returncode == 0 else None
+
+    old = keys()
+    assert old and sorted(old) == sorted(C.KEY_FILES)
+    before = {k: set(v) for k, v in kube.pods_by_component(pipe.ns, NAME).items()}
+    results = load(pipe, during=lambda: cluster.kubectl("delete", "secret", secret, "-n", pipe.ns))
+    print(f"requests while the keys were replaced: {check_outcomes(results, text, ids)}")
+    new = wait_for(lambda: (k := keys()) and k != old and k, 60, "the operator to make new keys")
+    want = render.secret_data_hash(new)
+
+    def rolled() -> bool:
+        pods = pipe.pods()
+        return len(pods) == sum(len(v) for v in before.values()) and all(
+            p["metadata"]["annotations"].get(C.ANNOTATION_KEYS_HASH) == want
+            and all(s["ready"] for s in p["status"].get("containerStatuses") or [{"ready": False}]) for p in pods)
+
+    wait_for(rolled, 600, lambda: "every pod on the new keys\n" + describe_failure(cluster, pipe.ns))
+    after = {k: set(v) for k, v in kube.pods_by_component(pipe.ns, NAME).items()}
+    assert all(not (after[k] & before[k]) for k in before), (before, after)  # every pod replaced
+    pipe.close()  # the master pod is new: so are the port-forwards
+    wait_for(lambda: _ready(pipe), 180, "the new master to have every stage registered")
     assert check_outcomes([pipe.chat() for _ in range(3)], text, ids) == {"ok": 3}
 
 
@@ -316,8 +399,14 @@ def test_the_operator_runs_in_the_cluster_from_its_image_with_one_leader(pipe: P
     sa = f"--as={dev.OPERATOR_USER}"
     can = lambda *a: cluster.kubectl("auth", "can-i", *a, sa, check=False).stdout.strip()  # noqa: E731
     assert can("create", "deployments", "-n", "default") == "yes"
-    assert can("list", "secrets", "--all-namespaces") == "no"
+    # Secrets: only through the keys Secrets it makes (its watch selects them by label; RBAC cannot say that).
+    assert can("update", "secrets", "-n", "default") == "no"
+    assert can("get", "nodes") == "no"
+    assert can("create", "rolebindings", "-n", "default") == "no"
     assert can("create", "pods", "-n", "default") == "no"
+    assert can("get", "services", "--subresource=proxy", "-n", "default") == "yes"  # the master's /ready, nothing more
+    assert can("create", "services", "--subresource=proxy", "-n", "default") == "no"
+    assert can("get", "pods", "--subresource=proxy", "-n", "default") == "no"
     assert can("update", "leases/omnifleet-operator", "-n", ns) == "yes"
     assert can("update", "leases/kube-scheduler", "-n", "kube-system") == "no"
 

@@ -9,7 +9,9 @@ a bounded loop.
 from __future__ import annotations
 
 import json
+import re
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,6 +23,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from omnifleet_operator.curvekeys import pipeline_keys, write_key_files
+from omnifleet_runtime.security import Keys, secure_client
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -53,13 +59,58 @@ def wait_until(pred: Callable[[], Any], what: str, timeout: float = 20.0, step: 
     raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
+class Scrape:
+    """One scrape of a /metrics endpoint, parsed by prometheus_client's own parser."""
+
+    def __init__(self, port: int):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain"), resp.headers["Content-Type"]
+            self.text = resp.read().decode()
+        self.families = {f.name: f for f in text_string_to_metric_families(self.text)}
+        self.samples = [s for f in self.families.values() for s in f.samples]
+
+    def value(self, name: str, **labels: str) -> float:
+        """Sum of the samples of that name whose labels include these; 0 when there are none."""
+        return sum(s.value for s in self.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    def has(self, name: str, **labels: str) -> bool:
+        return any(s.name == name and all(s.labels.get(k) == v for k, v in labels.items()) for s in self.samples)
+
+
+def exported_series(scrape: Any) -> set[str]:
+    """Every series name an exposition declares (a family without samples yet still declares them)."""
+    out = set()
+    for fam in scrape.families.values():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(fam.type, ("",))
+        out |= {fam.name + s for s in suffixes} | {s.name for s in fam.samples}
+    return out
+
+
+PROMQL_WORDS = {"by", "without", "and", "or", "unless", "on", "ignoring", "group_left", "group_right"}
+
+
+def series_in(expr: str) -> set[str]:
+    """The series a PromQL expression selects: identifiers outside label matchers, grouping clauses and
+    ranges that are not function calls or keywords."""
+    bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]|\b(?:by|without)\s*\([^)]*\)", " ", expr)
+    return {m[1] for m in re.finditer(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\(?)", bare)
+            if not m[2] and m[1] not in PROMQL_WORDS}
+
+
+def dashboard_exprs() -> list[str]:
+    """Every query of the checked-in Grafana dashboard."""
+    board = json.loads((ROOT / "manifests" / "monitoring" / "grafana-dashboard.json").read_text())
+    return [t["expr"] for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
 class Proc:
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path):
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path, python: str | None = None):
         self.name, self.args, self.log_path = name, args, log_path
         self.killed = False
         self.log = open(log_path, "ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "omnifleet_runtime", *args], env=env, cwd=ROOT,
+            [python or sys.executable, "-m", "omnifleet_runtime", *args], env=env, cwd=ROOT,
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -90,33 +141,41 @@ class Fleet:
         self.dir = tmp
         self.config = tmp / "pipeline.yaml"
         self.config.write_text(yaml.safe_dump(doc))
-        self.api_port, self.control_port = free_port(), free_port()
+        self.api_port, self.control_port, self.admin_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.api_port}"
+        self.admin_token = secrets.token_urlsafe(24)
         self.procs: dict[str, Proc] = {}
         self.health_ports: dict[str, int] = {}
+        self.metrics_ports: dict[str, int] = {}
         self.pod_stages: dict[str, list[str]] = {}
+        # The pipeline's keys, as the operator's Secret gives them to pods: every process here uses CurveZMQ.
+        self.keys_dir = write_key_files(tmp / "keys", pipeline_keys())
+        self.keys = Keys.load(self.keys_dir)
         self.env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMNIFLEET_TEST_DIR": str(tmp),
-                    "PYTHONUNBUFFERED": "1"}
+                    "PYTHONUNBUFFERED": "1", "OMNIFLEET_KEYS_DIR": str(self.keys_dir)}
 
     # ---- processes
 
     def start_master(self, *extra: str) -> Proc:
         args = ["master", "--config", str(self.config), "--host", "127.0.0.1",
-                "--api-port", str(self.api_port), "--control-port", str(self.control_port), *extra]
-        return self._start("master", args, self.env)
+                "--api-port", str(self.api_port), "--control-port", str(self.control_port),
+                "--admin-port", str(self.admin_port), *extra]
+        return self._start("master", args, {"OMNIFLEET_ADMIN_TOKEN": self.admin_token, **self.env})
 
-    def start_pod(self, pod: str, *stages: str, extra: tuple[str, ...] = ()) -> Proc:
+    def start_pod(self, pod: str, *stages: str, extra: tuple[str, ...] = (), python: str | None = None) -> Proc:
+        """python: another interpreter for the pod (a stage image of its own, such as vLLM-Omni's)."""
         self.pod_stages[pod] = list(stages)
         self.health_ports[pod] = port = free_port()
+        self.metrics_ports[pod] = free_port()
         args = ["stage", "--config", str(self.config), "--master", f"127.0.0.1:{self.control_port}",
                 "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--data-port", "0",
-                "--health-port", str(port), *extra]
+                "--health-port", str(port), "--metrics-port", str(self.metrics_ports[pod]), *extra]
         for s in stages:
             args += ["--stage", s]
-        return self._start(pod, args, {**self.env, "OMNIFLEET_POD_NAME": pod})
+        return self._start(pod, args, {**self.env, "OMNIFLEET_POD_NAME": pod}, python)
 
-    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Proc:
-        proc = Proc(name, args, env, self.dir / f"{name}.log")
+    def _start(self, name: str, args: list[str], env: dict[str, str], python: str | None = None) -> Proc:
+        proc = Proc(name, args, env, self.dir / f"{name}.log", python)
         self.procs[name] = proc
         return proc
 
@@ -133,12 +192,38 @@ class Fleet:
     def logs(self) -> str:
         return "\n".join(f"===== {n} =====\n{p.output()}" for n, p in self.procs.items())
 
+    # ---- ZMQ peers (what a test plays: a keyed one is one of the pipeline's pods)
+
+    def control_peer(self, ctx, keyed: bool = True):
+        """A DEALER connected to the master's control port, with the pipeline's client key or none."""
+        import zmq
+
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        if keyed:
+            secure_client(sock, self.keys)
+        sock.connect(f"tcp://127.0.0.1:{self.control_port}")
+        return sock
+
+    def data_peer(self, ctx, addr: str, keyed: bool = True):
+        """A PUSH connected to a stage's data port, with the pipeline's client key or none."""
+        import zmq
+
+        sock = ctx.socket(zmq.PUSH)
+        sock.linger = 0
+        if keyed:
+            secure_client(sock, self.keys)
+        sock.connect(addr)
+        return sock
+
     # ---- HTTP
 
-    def http(self, method: str, path: str, body: Any = None, port: int | None = None) -> tuple[int, Any]:
+    def http(self, method: str, path: str, body: Any = None, port: int | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, Any]:
         url = f"http://127.0.0.1:{port or self.api_port}{path}"
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
                 raw, status, ctype = resp.read(), resp.status, resp.headers.get("Content-Type", "")
@@ -167,8 +252,16 @@ class Fleet:
                        if not self.procs[pod].killed for s in stages)
         wait_until(ready, "the pipeline to become ready with every started replica", timeout)
 
+    def admin(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """A call to the master's admin port, with its token."""
+        return self.http(method, path, body, port=self.admin_port,
+                         headers={"Authorization": f"Bearer {self.admin_token}"})
+
+    def control(self, stage: str, body: dict[str, Any]) -> tuple[int, Any]:
+        return self.admin("POST", f"/v1/stages/{stage}/control", body)
+
     def stages(self) -> dict[str, list[dict[str, Any]]]:
-        return self.get("/v1/stages")[1]["stages"]
+        return self.admin("GET", "/v1/stages")[1]["stages"]
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of a metric whose labels include the given ones."""
@@ -184,11 +277,11 @@ class Fleet:
     def openai(self, **kw):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **{"timeout": 30, **kw})
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, **{"timeout": 30, "api_key": "none", **kw})
 
     def async_openai(self, **kw):
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **{"timeout": 30, **kw})
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", max_retries=0, **{"timeout": 30, "api_key": "none", **kw})
 
 

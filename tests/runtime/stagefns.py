@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 
 TEST_DIR = Path(os.environ.get("OMNIFLEET_TEST_DIR", "."))
@@ -176,3 +177,92 @@ async def kind_async(inputs, sampling_params, context):
 async def kind_agen(inputs, sampling_params, context):
     for ch in inputs:
         yield ch
+
+
+# ---- shared-memory hygiene: a processor that fails part-way through a co-located stream
+
+SHM_CHUNKS = 10
+_seen_chunks: dict[str, int] = {}
+
+
+async def shm_chunks(inputs, sampling_params, context):
+    """Ten chunks big enough to travel through shared memory to a co-located stage, back to back."""
+    for i in range(SHM_CHUNKS):
+        yield {"i": i, "blob": bytes([i]) * (256 * 1024)}
+
+
+def fail_on_second_chunk(upstream, request):
+    n = _seen_chunks[request.request_id] = _seen_chunks.get(request.request_id, 0) + 1
+    if n == 2:
+        raise ValueError("chunk 2 is not to my liking")
+    return upstream["src"]["i"]
+
+
+# ---- the HTTP API under attack (test_api_security.py)
+
+WEDGE_S = 25.0  # longer than the heartbeat timeout, so the master drops the replica meanwhile
+
+
+async def wedge_on_request(inputs, sampling_params, context):
+    """Blocks its own event loop (time.sleep in a coroutine) when the prompt says "wedge"; notes each prompt."""
+    text = prompt_text(inputs)
+    with open(TEST_DIR / f"seen-{context.replica}", "a") as f:
+        f.write(text + "\n")
+    if "wedge" in text:
+        time.sleep(WEDGE_S)
+    return f"{text}@{context.replica}"
+
+
+async def until_aborted(inputs, sampling_params, context):
+    """Waits for the gate; notes its cancellation (an Abort from the master)."""
+    try:
+        await wait_for("gate")
+        return "gate"
+    except asyncio.CancelledError:
+        mark(f"cancelled-{context.request_id}")
+        raise
+
+
+def any_json(inputs, sampling_params, context):
+    """Whatever JSON the API let through, as short text; never fails on its input."""
+    return json.dumps(inputs, default=repr)[:200]
+
+
+def tiny_image(inputs, sampling_params, context):
+    from omnifleet_runtime.wire import Array
+
+    return {"images": Array("uint8", (1, 2, 3, 3), bytes(range(18)))}
+
+
+def tiny_audio(inputs, sampling_params, context):
+    from omnifleet_runtime.wire import Array
+
+    return {"audio": Array("float32", (64,), bytes(256)), "sample_rate": 16000}
+
+
+def picky(inputs, sampling_params, context):
+    """Refuses the prompt "bad" as the request's fault (400), fails on "boom" as its own (500)."""
+    from omnifleet_runtime.engines import BadInput
+
+    text = prompt_text(inputs)
+    if text == "bad":
+        raise BadInput("this stage takes no 'bad' prompt")
+    if text == "boom":
+        raise RuntimeError("the stage broke")
+    return text
+
+
+# ---- metrics: an audio stage (a second of silence-free tone per request, in two chunks)
+
+TONE_RATE = 8000
+
+
+def tone(inputs, sampling_params, context):
+    import struct
+
+    from omnifleet_runtime.wire import Array
+
+    for _ in range(2):
+        samples = [0.25] * (TONE_RATE // 2)
+        yield {"audio": Array("float32", (len(samples),), struct.pack(f"<{len(samples)}f", *samples)),
+               "sample_rate": TONE_RATE}

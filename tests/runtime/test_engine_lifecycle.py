@@ -70,3 +70,44 @@ def test_engine_death_deregisters_the_replica_and_its_request_fails_over(make_fl
     caller.join(timeout=30)
     assert result["out"].choices[0].text == f"{other}:hello"
     assert surviving.alive()
+
+
+def test_a_pod_whose_engine_died_is_neither_live_nor_ready_while_it_stops(make_fleet, tmp_path):
+    """eng's engine dies; the pod stops, its co-located stage side draining a request meanwhile:
+    all that time its probes say so (liveness fails: Kubernetes restarts it, as the exit does too)."""
+    doc = pipeline(stage("a", "upper"),
+                   stage("eng", "answer", inputs=["a"], finalOutput="text"),
+                   stage("side", "gated_entry", inputs=["a"], finalOutput="audio", colocateWith="eng"))
+    doc["spec"]["stages"][1]["entrypoint"] = "lifecyclefns:answer"
+    fleet = make_fleet(doc)
+    fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    pod = fleet.start_pod("pod-x", "eng", "side", extra=("--drain-timeout", "60"))
+    fleet.wait_ready()
+    port = fleet.health_ports["pod-x"]
+    assert fleet.get("/readyz", port=port) == (200, {"ready": True})
+
+    def side_request():  # only side's output: eng takes no part in it; its answer does not matter here
+        try:
+            fleet.http("POST", "/v1/chat/completions", {"model": "test", "modalities": ["audio"],
+                                                         "messages": [{"role": "user", "content": "x"}]})
+        except OSError:
+            pass
+
+    caller = threading.Thread(target=side_request, daemon=True)
+    caller.start()
+    wait_until(lambda: list(tmp_path.glob("started-*-pod-x")), "side to hold a request")
+    os.kill(int((tmp_path / "engine-pod-x.pid").read_text()), 9)
+
+    wait_until(lambda: "eng" not in {s for s, reps in fleet.stages().items() if reps}, "eng to deregister")
+    assert pod.alive()  # side drains its request
+    status, body = fleet.get("/livez", port=port)
+    assert status == 503 and body["dead"] == ["stage-eng"]
+    status, body = fleet.get("/readyz", port=port)
+    assert status == 503 and body["dead"] == ["stage-eng"]
+    # The pod noticed eng's exit and stops; side finishes what it holds meanwhile, the probes unchanged.
+    wait_until(lambda: fleet.get("/readyz", port=port)[1]["draining"], "the pod to stop")
+    assert pod.alive() and fleet.get("/livez", port=port)[0] == 503
+    (tmp_path / "gate").touch()
+    assert pod.popen.wait(timeout=30) == 5, pod.output()
+    caller.join(timeout=30)

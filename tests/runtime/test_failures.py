@@ -175,13 +175,13 @@ def test_control_call_to_a_replica_that_dies_is_answered_at_once(make_fleet):
     answer: dict = {}
 
     def call() -> None:
-        answer.update(fleet.http("POST", "/v1/stages/a/control", {"method": "wait_gate", "timeout": 600})[1])
+        answer.update(fleet.control("a", {"method": "wait_gate", "timeout": 300})[1])
 
     caller = threading.Thread(target=call)
     caller.start()
     wait_until(lambda: (fleet.dir / "control-waiting-pod-a").exists(), "the control call to reach the stage")
     fleet.procs["pod-a"].signal_group(signal.SIGKILL)
-    caller.join(timeout=60)  # the urllib timeout (30 s) ends it too, far short of the call's 600 s
+    caller.join(timeout=60)  # the urllib timeout (30 s) ends it too, far short of the call's 300 s
     (rep,) = answer["replicas"].values()
     assert rep == {"ok": False, "error": "replica was lost before answering"}
 
@@ -265,3 +265,85 @@ def test_a_dead_replica_is_lost_by_its_closed_connection_a_hung_one_by_silence(m
     wait_until(lambda: replicas() == 1, "the woken replica to register again", timeout=30)
     assert fleet.openai().completions.create(model="test", prompt="again").choices[0].text == "AGAIN!"
     assert fleet.metric("omnifleet_replica_lost_total", stage="a") == 2
+
+
+def test_heartbeat_settings_come_from_the_spec_and_the_flags(make_fleet):
+    """spec.heartbeat sets both sides; a flag overrides it for one process."""
+    doc = pipeline(stage("a", "upper"), stage("b", "exclaim", inputs=["a"], finalOutput="text"))
+    doc["spec"]["heartbeat"] = {"intervalSeconds": 0.2, "timeoutSeconds": 1.0}
+    fleet = make_fleet(doc)
+    fleet.start_master("--heartbeat-timeout", "1.5")
+    fleet.start_pod("pod-a", "a")
+    fleet.start_pod("pod-b", "b")
+    fleet.wait_ready()
+
+    fleet.procs["pod-a"].signal_group(signal.SIGSTOP)
+    wait_until(lambda: fleet.metric("omnifleet_stage_replicas", stage="a") == 0, "the hung replica to be dropped")
+    assert "replica a/pod-a lost: no heartbeat for 1.5s" in fleet.procs["master"].output()
+    fleet.procs["pod-a"].signal_group(signal.SIGCONT)
+
+    fleet.procs["master"].signal_group(signal.SIGSTOP)
+    wait_until(lambda: "no heartbeat from the master for 1s" in fleet.procs["pod-b"].output(),
+               "the stage to give up on the silent master (spec: 1 s)")
+    fleet.procs["master"].signal_group(signal.SIGCONT)
+    fleet.wait_ready()
+    assert fleet.openai().completions.create(model="test", prompt="back").choices[0].text == "BACK!"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--heartbeat-interval", "1", "--heartbeat-timeout", "1.5"), "heartbeat timeout 1.5s must be at least twice"),
+    (("--heartbeat-timeout", "-1"), "--heartbeat-timeout must be a positive number of seconds, got -1"),
+])
+def test_bad_heartbeat_flags_are_refused_by_name(make_fleet, flags, message):
+    fleet = make_fleet(pipeline(stage("a", "upper", finalOutput="text")))
+    master = fleet.start_master(*flags)
+    assert master.popen.wait(timeout=30) == 1
+    assert message in master.output()
+
+
+def test_sigterm_to_the_master_drains_its_requests_and_exits_zero(make_fleet):
+    fleet = make_fleet(pipeline(stage("a", "gated_entry", finalOutput="text")))
+    master = fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    fleet.wait_ready()
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "out", fleet.openai().completions.create(model="test", prompt="inflight")))
+    t.start()
+    wait_until(lambda: list(fleet.dir.glob("started-*")), "the request to start")
+    master.popen.send_signal(signal.SIGTERM)  # what the kubelet sends
+
+    status, body = wait_until(lambda: (r := fleet.get("/ready"))[0] == 503 and r, "/ready to turn 503")
+    assert body["draining"] is True and body["message"] == "the master is shutting down"
+    status, body = fleet.http("POST", "/v1/completions", {"model": "test", "prompt": "new"})
+    assert status == 503 and "the master is shutting down" in body["error"]["message"]
+    assert master.alive()  # still finishing the request it holds
+
+    (fleet.dir / "gate").touch()
+    t.join(timeout=30)
+    assert result["out"].choices[0].text == "inflight@pod-a"
+    assert master.popen.wait(timeout=30) == 0
+    assert "every request finished; exiting" in master.output()
+
+
+def test_a_draining_master_ends_what_outlives_its_deadline_and_exits_zero(make_fleet):
+    fleet = make_fleet(pipeline(stage("a", "gated_entry", finalOutput="text")))
+    master = fleet.start_master("--drain-timeout", "1")
+    fleet.start_pod("pod-a", "a")
+    fleet.wait_ready()
+    result = {}
+
+    def call():
+        try:
+            result["status"] = fleet.http("POST", "/v1/completions", {"model": "test", "prompt": "stuck"})[0]
+        except OSError as e:  # the connection closed under it
+            result["error"] = e
+
+    t = threading.Thread(target=call)
+    t.start()
+    wait_until(lambda: list(fleet.dir.glob("started-*")), "the request to start")
+    master.popen.send_signal(signal.SIGTERM)
+    assert master.popen.wait(timeout=30) == 0
+    t.join(timeout=30)
+    assert result.get("error") is not None or result["status"] >= 500, result  # answered, not left hanging
+    assert "drain deadline passed; ending 1 request(s)" in master.output()

@@ -44,12 +44,8 @@ def test_garbage_frames_do_not_stop_master_or_stages(make_fleet):
     data_addr = fleet.stages()["b"][0]["data_addr"]
     ctx = zmq.Context()
     try:
-        ctl = ctx.socket(zmq.DEALER)
-        ctl.linger = 0
-        ctl.connect(f"tcp://127.0.0.1:{fleet.control_port}")
-        push = ctx.socket(zmq.PUSH)
-        push.linger = 0
-        push.connect(data_addr)
+        ctl = fleet.control_peer(ctx)  # keyed: garbage from one of the pipeline's own pods
+        push = fleet.data_peer(ctx, data_addr)
         for frames in GARBAGE:
             ctl.send_multipart(frames)
             push.send_multipart(frames)
@@ -72,9 +68,7 @@ def test_wrong_protocol_version_and_config_are_refused(make_fleet):
     fleet = fleet_with(make_fleet)
     ctx = zmq.Context()
     try:
-        ctl = ctx.socket(zmq.DEALER)
-        ctl.linger = 0
-        ctl.connect(f"tcp://127.0.0.1:{fleet.control_port}")
+        ctl = fleet.control_peer(ctx)
         reply = register(ctl, protocol_version=C.PROTOCOL_VERSION + 1)
         assert not reply.ok
         assert reply.reason == (f"protocol version mismatch: the stage speaks version {C.PROTOCOL_VERSION + 1}, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -13,7 +14,7 @@ import urllib.request
 
 import yaml
 
-from fleet_harness import PYTHONPATH, ROOT, pipeline, stage, wait_until
+from fleet_harness import PYTHONPATH, ROOT, Scrape, pipeline, stage, wait_until
 
 RUNNER = "import sys; from omnifleet_operator.localrun import main; sys.exit(main(sys.argv[1:]))"
 
@@ -59,14 +60,19 @@ def test_run_starts_every_rendered_pod_and_stops_on_ctrl_c(tmp_path):
         name="demo",
     ), "stages.a.replicas=2")
     try:
-        url = runner.expect(r"API (http://127\.0\.0\.1:\d+)").group(1)
+        m = runner.expect(r"API (http://127\.0\.0\.1:\d+); admin (http://127\.0\.0\.1:\d+) \(Authorization: Bearer (\S+)\)")
+        url, admin, token = m.groups()
         runner.expect(r"curl http://127\.0\.0\.1:\d+/v1/chat/completions")
+        metrics_port = int(runner.expect(r"metrics: .*demo-c-0 http://127\.0\.0\.1:(\d+)/metrics").group(1))
         runner.expect(r"ready at")
-        counts = lambda: {s: len(r) for s, r in json.load(urllib.request.urlopen(f"{url}/v1/stages"))["stages"].items()}  # noqa: E731
+        stages = urllib.request.Request(f"{admin}/v1/stages", headers={"Authorization": f"Bearer {token}"})
+        counts = lambda: {s: len(r) for s, r in json.load(urllib.request.urlopen(stages))["stages"].items()}  # noqa: E731
         wait_until(lambda: counts() == {"a": 2, "b": 2, "c": 1}, "every replica to register")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
         out = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "local"}])
         assert out.choices[0].message.content == "LOCAL!"
+        # The final stage's pod serves its series on the port the runner printed.
+        assert Scrape(metrics_port).value("omnifleet_worker_requests_total", stage="c", outcome="ok") == 1
         runner.popen.send_signal(signal.SIGINT)
         assert runner.popen.wait(timeout=60) == 0
     finally:
@@ -76,6 +82,7 @@ def test_run_starts_every_rendered_pod_and_stops_on_ctrl_c(tmp_path):
     for pod in ("demo-a-0", "demo-a-1", "demo-c-0"):
         assert re.search(rf"^{pod}\s+\| .*registered with master", log, re.M), pod
     assert log.count("drained; exiting") == 5
+    assert re.search(r"^demo-master-0\s+\| .*every request finished; exiting", log, re.M)  # the master drained too
     assert re.search(r"^demo-master-0\s+\| .*replica a/demo-a-1 deregistered", log, re.M)
 
 
@@ -91,15 +98,18 @@ def test_run_stops_everything_when_a_process_fails(tmp_path):
     assert "No module named 'no_such_module'" in runner.output()
 
 
-def test_run_refuses_vllm_omni_stages_up_front(tmp_path):
+def test_run_refuses_vllm_omni_stages_without_vllm_omnis_environment(tmp_path):
     omni = {"name": "thinker", "type": "vllm-omni", "finalOutput": "text",
             "vllmOmni": {"pipeline": "qwen2_5_omni", "stageId": 0, "modelStage": "thinker", "workerType": "ar"}}
     path = tmp_path / "omni.yaml"
     path.write_text(yaml.safe_dump(pipeline(omni)))
     done = subprocess.run([sys.executable, "-c", RUNNER, "-f", str(path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH})
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH,
+                                                      "OMNIFLEET_VLLM_OMNI_ENV": str(tmp_path / "no-env")})
     assert done.returncode == 1
-    assert "thinker are vllm-omni stages, and this build has no vllm-omni engine" in done.stderr
+    assert "thinker are vllm-omni stages, which run with vLLM-Omni's own environment; build it first" \
+        in done.stderr
+    assert "python -m omnifleet_runtime.devsetup.vllm_omni_env" in done.stderr
 
 
 def test_run_names_a_bad_override(tmp_path):
@@ -110,3 +120,67 @@ def test_run_names_a_bad_override(tmp_path):
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH})
     assert done.returncode == 2
     assert "override 'stages.b.replicas=2': no stage named 'b' (stages: a)" in done.stderr
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rpartition(")")[2].split()[1])
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    tree, out, todo = _children(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps it)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_a_killed_runner_leaves_no_process_behind(tmp_path):
+    """kill -9 of `omnifleet run`: every process it started dies with it (parent-death signal)."""
+    runner = Runner(tmp_path, pipeline(
+        stage("a", "upper", replicas=2, gpus=0),
+        stage("b", "exclaim", inputs=["a"], colocateWith="a"),
+        stage("c", "halves", inputs=["b"], finalOutput="text", gpus=0),
+        name="demo",
+    ))
+    try:
+        url = runner.expect(r"API (http://127\.0\.0\.1:\d+)").group(1)
+        runner.expect(r"ready at")
+        # the master; three pods (a-0, a-1: a and b co-located; c-0), each a parent, a stage
+        # worker per stage and multiprocessing's resource tracker
+        started = _descendants(runner.popen.pid)
+        assert len(started) == 1 + 3 + 5 + 3, started
+        assert urllib.request.urlopen(f"{url}/ready", timeout=5).status == 200
+        runner.popen.kill()  # no handler runs: only the kernel can stop the children now
+        runner.popen.wait()
+        wait_until(lambda: not any(_running(p) for p in started), "every process to die with the runner",
+                   timeout=45)
+    finally:
+        runner.kill()
+        for pid in started if "started" in locals() else ():
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    try:
+        urllib.request.urlopen(f"{url}/health", timeout=2)
+        raise AssertionError("the master's API still answers")
+    except OSError:
+        pass

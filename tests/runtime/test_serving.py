@@ -63,7 +63,9 @@ def test_three_stage_chain_with_openai_client(make_fleet):
     wait_until(lambda: all(fleet.metric("omnifleet_stage_bytes_total", stage="b", replica=r, path="tcp") > 0
                            for r in ("pod-b1", "pod-b2")), "both replicas of b to report work")
     assert fleet.get("/health") == (200, {"status": "ok"})
-    assert fleet.get("/ready") == (200, {"ready": True})
+    assert fleet.get("/ready") == (200, {"ready": True, "stages": {
+        "a": {"registered": 1, "routable": 1}, "b": {"registered": 2, "routable": 2},
+        "c": {"registered": 1, "routable": 1}}})
     metrics = fleet.get("/metrics")[1]
     for name in ("omnifleet_stage_inflight{", "omnifleet_stage_queue_depth{", "omnifleet_stage_bytes_total{",
                  "omnifleet_request_latency_seconds_bucket", "omnifleet_stage_latency_seconds_bucket"):
@@ -71,14 +73,14 @@ def test_three_stage_chain_with_openai_client(make_fleet):
     assert fleet.metric("omnifleet_stage_replicas", stage="b") == 2
 
     # Control RPCs reach every replica of a stage and return each answer.
-    status, body = fleet.http("POST", "/v1/stages/b/control", {"method": "ping"})
+    status, body = fleet.control("b", {"method": "ping"})
     assert status == 200 and sorted(body["replicas"]) == ["pod-b1", "pod-b2"]
     assert all(a["ok"] and a["result"]["pong"] for a in body["replicas"].values())
-    status, body = fleet.http("POST", "/v1/stages/b/control", {"method": "whoami", "args": {"k": 1}})
+    status, body = fleet.control("b", {"method": "whoami", "args": {"k": 1}})
     assert {r: a["result"]["pod"] for r, a in body["replicas"].items()} == {"pod-b1": "pod-b1", "pod-b2": "pod-b2"}
-    status, body = fleet.http("POST", "/v1/stages/b/control", {"method": "nosuch"})
+    status, body = fleet.control("b", {"method": "nosuch"})
     assert all(not a["ok"] and "nosuch" in a["error"] for a in body["replicas"].values())
-    assert fleet.http("POST", "/v1/stages/zz/control", {"method": "ping"})[0] == 404
+    assert fleet.control("zz", {"method": "ping"})[0] == 404
 
 
 def test_fan_out_fan_in_and_sampling_overrides(make_fleet):

@@ -103,3 +103,18 @@ def test_images_are_named_with_the_project_version():
     assert C.PROJECT_VERSION == version
     assert C.DEFAULT_IMAGE.endswith(f":{version}") and C.OPERATOR_IMAGE.endswith(f":{version}")
     assert f"image: {C.OPERATOR_IMAGE}" in (REPO / "manifests" / "operator.yaml").read_text()
+
+
+def test_dashboard_of_one_pipeline_has_its_name_and_stages_in_order():
+    import json
+
+    r = omnifleet("dashboard", "-f", str(SAMPLES / "speech.yaml"))
+    assert r.returncode == 0, r.stderr
+    board = json.loads(r.stdout)
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert board["uid"] == "omnifleet-speech"
+    assert variables["pipeline"]["current"]["value"] == "speech"
+    assert [o["value"] for o in variables["stage"]["options"]] == ["thinker", "talker", "code2wav"]
+    bad = omnifleet("dashboard", "-f", "-", stdin="apiVersion: omnifleet.dev/v1alpha1\nkind: OmniPipeline\n"
+                                                  "metadata: {name: x}\nspec: {stages: []}\n")
+    assert bad.returncode == 1 and "spec.stages" in bad.stderr

@@ -50,7 +50,9 @@ def test_colocated_stage_runs_in_its_host_pods():
     assert c["resources"]["limits"][ "nvidia.com/gpu"] == "1"
     # cpu 4 + 2 and memory 32Gi + 8Gi: one container serves both processes
     assert c["resources"]["requests"] == {"cpu": "6", "memory": "40Gi"}
-    assert [p["containerPort"] for p in c["ports"]] == [C.STAGE_DATA_PORT, C.STAGE_DATA_PORT + 1, C.STAGE_HEALTH_PORT]
+    assert [p["containerPort"] for p in c["ports"]] == [C.STAGE_DATA_PORT, C.STAGE_DATA_PORT + 1, C.STAGE_HEALTH_PORT,
+                                                        C.STAGE_METRICS_PORT]
+    assert c["ports"][-1]["name"] == "metrics"
 
 
 def test_changing_one_stage_rolls_only_that_stage():
@@ -79,6 +81,42 @@ def test_sampling_defaults_roll_the_master_not_the_stages():
     after = render(doc)
     assert template_hash(before, "speech-master") != template_hash(after, "speech-master")
     assert after[("ConfigMap", "speech-config")] != before[("ConfigMap", "speech-config")]
+
+
+def test_heartbeat_settings_roll_the_master_and_every_stage():
+    before = render(sample("speech"))
+    doc = sample("speech")
+    doc["spec"]["heartbeat"] = {"intervalSeconds": 1, "timeoutSeconds": 5}
+    after = render(doc)
+    for name in ("speech-master", "speech-thinker", "speech-talker"):
+        assert template_hash(before, name) != template_hash(after, name), name
+    assert "timeoutSeconds: 5" in after[("ConfigMap", "speech-config")]["data"][C.CONFIG_FILE]
+
+
+def test_a_pod_monitor_only_when_asked_for():
+    assert not any(kind == "PodMonitor" for kind, _ in render(sample("speech")))
+    doc = sample("speech")
+    doc["spec"]["monitoring"] = {"podMonitor": True, "interval": "15s", "labels": {"release": "prom"}}
+    objs = render(doc)
+    pm = objs[("PodMonitor", "speech")]
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pm["metadata"]["labels"]["release"] == "prom"
+    assert pm["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    assert pm["spec"]["selector"] == {"matchLabels": {C.LABEL_PIPELINE: "speech"}}
+    master, stages = pm["spec"]["podMetricsEndpoints"]
+    # The master serves /metrics on its API port; its per-replica series keep their own `pod` label.
+    assert (master["port"], master["path"], master["interval"], master["honorLabels"]) == ("http", "/metrics", "15s", True)
+    assert (stages["port"], stages["path"], stages.get("honorLabels")) == ("metrics", "/metrics", None)
+    assert stages["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_label_omnifleet_dev_pipeline"],
+                                      "targetLabel": "pipeline"}]
+    # Each named port exists on the pods it scrapes.
+    master_ports = {p["name"] for p in objs[("Deployment", "speech-master")]["spec"]["template"]["spec"]
+                    ["containers"][0]["ports"]}
+    stage_ports = {p["name"] for p in objs[("Deployment", "speech-thinker")]["spec"]["template"]["spec"]
+                   ["containers"][0]["ports"]}
+    assert "http" in master_ports and "http" not in stage_ports and "metrics" in stage_ports
+    doc["spec"]["monitoring"]["podMonitor"] = False
+    assert ("PodMonitor", "speech") not in render(doc)
 
 
 def test_autoscaled_stage_leaves_replicas_to_its_hpa():
@@ -137,7 +175,30 @@ def test_network_policy_admits_zmq_only_from_the_pipeline():
     internal, public = np["spec"]["ingress"]
     assert internal["from"] == [{"podSelector": {"matchLabels": {C.LABEL_PIPELINE: "speech"}}}]
     assert {p["port"] for p in internal["ports"]} == {"zmq-control", "zmq-data", "zmq-data-1"}
-    assert "from" not in public and {p["port"] for p in public["ports"]} == {"http", "health"}
+    assert "from" not in public and {p["port"] for p in public["ports"]} == {"http", "health", "metrics"}
+
+
+def test_admin_port_is_declared_but_not_served_to_clients_and_keys_come_from_secrets():
+    objs = render(sample("speech"))
+    master = objs[("Deployment", "speech-master")]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "admin", "containerPort": C.MASTER_ADMIN_PORT, "protocol": "TCP"} in master["ports"]
+    assert "admin" not in {p["name"] for p in objs[("Service", "speech-master")]["spec"]["ports"]}
+    assert not any(e["name"] in (C.ENV_API_KEY, C.ENV_ADMIN_TOKEN) for e in master["env"])
+    ingress = objs[("NetworkPolicy", "speech")]["spec"]["ingress"]
+    assert not any(p["port"] == "admin" for rule in ingress for p in rule["ports"])
+
+    doc = sample("speech")
+    operators = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "omnifleet-system"}}}
+    doc["spec"]["master"] = {"apiKeySecret": {"name": "speech-keys", "key": "api-key"},
+                             "adminTokenSecret": {"name": "speech-admin", "key": "token"},
+                             "adminSources": [operators]}
+    objs = render(doc)
+    master = objs[("Deployment", "speech-master")]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in master["env"]}
+    assert env[C.ENV_API_KEY]["valueFrom"] == {"secretKeyRef": {"name": "speech-keys", "key": "api-key"}}
+    assert env[C.ENV_ADMIN_TOKEN]["valueFrom"] == {"secretKeyRef": {"name": "speech-admin", "key": "token"}}
+    *_, admin = objs[("NetworkPolicy", "speech")]["spec"]["ingress"]
+    assert admin == {"from": [operators], "ports": [{"protocol": "TCP", "port": "admin"}]}
 
 
 def test_no_owner_reference_without_uid():
@@ -173,3 +234,23 @@ def test_registration_hashes_agree_with_what_rolls():
                 host = s.colocate_with or s.name
                 assert template_hash(before, f"speech-{host}") != template_hash(after, f"speech-{host}"), label
                 assert template_hash(before, "speech-master") != template_hash(after, "speech-master"), label
+
+
+def test_pod_annotations_reach_the_pod_templates_and_the_operators_own_keys_are_refused():
+    doc = {"apiVersion": "omnifleet.dev/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": "p"},
+           "spec": {"model": "/models/m", "master": {"podAnnotations": {"a": "1"}}, "stages": [
+               {"name": "llm", "type": "llm", "gpus": 1, "podAnnotations": {"karpenter.sh/do-not-disrupt": "true"}},
+               {"name": "tts", "type": "python", "entrypoint": "omnifleet_runtime.stock:passthrough",
+                "colocateWith": "llm", "inputs": ["llm"], "finalOutput": "text",
+                "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}}]}}
+    parsed, problems = check_document(doc)
+    assert problems == []
+    deps = {o["metadata"]["name"]: o for o in desired(parsed) if o["kind"] == "Deployment"}
+    stage_ann = deps["p-llm"]["spec"]["template"]["metadata"]["annotations"]
+    assert stage_ann["karpenter.sh/do-not-disrupt"] == "true"
+    assert stage_ann["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"  # the co-located stage's too
+    assert deps["p-master"]["spec"]["template"]["metadata"]["annotations"]["a"] == "1"
+    doc["spec"]["stages"][0]["podAnnotations"] = {"omnifleet.dev/config-hash": "x"}
+    _, problems = check_document(doc)
+    assert [(p.path, p.message) for p in problems] == [
+        ("spec.stages[0].podAnnotations", "'omnifleet.dev/config-hash': omnifleet.dev/ annotations are the operator's")]

@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from omnifleet_operator.checks import check_document
-from omnifleet_operator.status import Observed, compute_status, decisive, transition_events
+from omnifleet_operator.status import (Observed, compute_status, decisive, refusals, transition_events,
+                                       wants_master_report)
 from omnifleet_runtime.validate import Problem
 
 from ..conftest import REPO
@@ -104,7 +105,7 @@ def test_all_ready_summary():
     assert st["endpoint"] == "http://speech-master.default.svc:8000"
     code2wav = next(s for s in st["stages"] if s["name"] == "code2wav")
     assert code2wav == {"name": "code2wav", "host": "talker", "replicas": 2, "readyReplicas": 2,
-                        "updatedReplicas": 2, "desiredReplicas": 2}
+                        "updatedReplicas": 2, "desiredReplicas": 2, "registeredReplicas": 2}
 
 
 def test_invalid_spec():
@@ -216,3 +217,79 @@ def test_a_pod_that_restarted_once_and_runs_is_not_failing():
     p["status"]["containerStatuses"][0]["state"] = {"running": {"startedAt": T0}}
     st = status(Observed(deployments=all_ready(), pods=[p]))
     assert cond(st, "Ready")["status"] == "True"
+
+
+# -- registration: a stage pod is ready only while registered with the master --
+
+def loaded_pod(stage, ready):
+    """A stage pod whose engines loaded (its startup probe passed); ready = registered with the master."""
+    p = pod(stage)
+    p["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+    p["status"]["containerStatuses"] = [{"name": "stage", "started": True, "restartCount": 0,
+                                         "state": {"running": {}}, "lastState": {}}]
+    return p
+
+
+def loading_pod(stage):
+    p = loaded_pod(stage, ready=False)
+    p["status"]["containerStatuses"][0]["started"] = False
+    return p
+
+
+def refused_report(stage="thinker", age=2.0, reason="config hash mismatch for stage 'thinker': ..."):
+    return {"ready": False, "missing_stages": [stage], "stages": {
+        stage: {"registered": 0, "routable": 0, "lastRefusal": {"reason": reason, "secondsAgo": age}}}}
+
+
+def test_registered_replicas_are_the_ready_pods_and_ready_needs_all_of_them():
+    st = status(Observed(all_ready(**dict([dep("speech-thinker", 2, ready=1)]))))
+    thinker = next(s for s in st["stages"] if s["name"] == "thinker")
+    assert (thinker["readyReplicas"], thinker["registeredReplicas"], thinker["desiredReplicas"]) == (1, 1, 2)
+    assert (cond(st, "Ready")["status"], cond(st, "Ready")["reason"]) == ("False", "WaitingForReady")
+    assert "thinker (1/2 ready)" in cond(st, "Ready")["message"]
+
+
+def test_the_master_is_asked_only_when_a_loaded_pod_is_not_registered():
+    doc = speech()
+    unready = all_ready(**dict([dep("speech-thinker", 2, ready=1)]))
+    # loaded and registered, or still loading: the Deployments say all there is
+    assert not wants_master_report(doc, Observed(all_ready(), pods=[loaded_pod("thinker", True)]))
+    assert not wants_master_report(doc, Observed(unready, pods=[loaded_pod("thinker", True), loading_pod("thinker")]))
+    # loaded, not registered: only the master knows why
+    assert wants_master_report(doc, Observed(unready, pods=[loaded_pod("thinker", True), loaded_pod("thinker", False)]))
+    # no ready master: nothing to ask
+    no_master = dict(unready, **dict([dep("speech-master", 1, ready=0)]))
+    assert not wants_master_report(doc, Observed(no_master, pods=[loaded_pod("thinker", False)]))
+
+
+def test_a_refused_stage_is_a_condition_naming_it_and_the_reason():
+    waiting = Observed(all_ready(**dict([dep("speech-thinker", 2, ready=1)])), pods=[loaded_pod("thinker", False)])
+    st = status(Observed(waiting.deployments, waiting.pods, master=refused_report()))
+    ready = cond(st, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "RegistrationRefused")
+    assert ready["message"] == ("the master refuses replicas of stage thinker: "
+                                "config hash mismatch for stage 'thinker': ...")
+    assert [(e.type, e.reason) for e in transition_events(status(Observed(all_ready())), st)] == [
+        ("Warning", "RegistrationRefused")]
+    # The age of the refusal moves with every read; the status does not (an idle resync writes nothing).
+    again = status(Observed(waiting.deployments, waiting.pods, master=refused_report(age=9.5)), prior=st, now=T1)
+    assert again == st
+    # A refusal older than a replica's retry is history: the stage is just waiting.
+    stale = status(Observed(waiting.deployments, waiting.pods, master=refused_report(age=600)))
+    assert cond(stale, "Ready")["reason"] == "WaitingForReady"
+
+
+@pytest.mark.parametrize("report", [
+    None, {}, [], "x", {"stages": []}, {"stages": {"a": "x"}}, {"stages": {"a": {"lastRefusal": "x"}}},
+    {"stages": {"a": {"lastRefusal": {"reason": 3, "secondsAgo": 1}}}},
+    {"stages": {"a": {"lastRefusal": {"reason": "r", "secondsAgo": "1"}}}},
+    {"stages": {"a": {"lastRefusal": {"reason": "r", "secondsAgo": True}}}},
+    {"stages": {"a": {"lastRefusal": {"reason": "r", "secondsAgo": -1}}}},
+])
+def test_a_malformed_master_report_is_no_refusal(report):
+    assert refusals(report) == []
+
+
+def test_a_long_refusal_reason_is_cut():
+    (line,) = refusals(refused_report(reason="x" * 5000))
+    assert line == "stage thinker: " + "x" * 300

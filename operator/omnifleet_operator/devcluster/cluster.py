@@ -21,7 +21,8 @@ Two shapes:
         c.kubectl("get", "nodes")
 
 Dev loop:  python operator/omnifleet_operator/devcluster/cluster.py up|down|status
-(state in ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/dev/). Stdlib only.
+(state in ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/dev/). Stdlib only (and the
+runtime's stdlib-only `lifetime`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from omnifleet_runtime.lifetime import parent_death_preexec
 
 if __package__:
     from . import build, net, node
@@ -194,10 +197,13 @@ def _make_certs(d: Path, host: str = "127.0.0.1") -> None:
 
 class DevCluster:
     def __init__(self, state_dir: str | os.PathLike | None = None, *, timeout: float = 90.0,
-                 real_node: bool | None = None):
+                 real_node: bool | None = None, owned: bool = False):
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
         self.timeout = timeout  # per component readiness
         self._real_node = real_node  # None: as the running cluster in state_dir was started
+        # owned: the processes die with this one however it dies (a test session, `make run`);
+        # else they outlive it, as `omnifleet dev up` means, and `dev down` stops them by pidfile.
+        self.owned = owned
         self._info: dict | None = None
         self._procs: dict[str, subprocess.Popen] = {}
         self.up_seconds: float | None = None  # start-up time of the last fresh up()
@@ -262,6 +268,7 @@ class DevCluster:
     # --- lifecycle ------------------------------------------------------------
 
     def __enter__(self) -> DevCluster:
+        self.owned = True
         self.up()
         return self
 
@@ -540,6 +547,7 @@ class DevCluster:
                 cwd=self.state_dir,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
+                preexec_fn=parent_death_preexec(signal.SIGTERM) if self.owned else None,
             )
         self._procs[name] = proc
         self._pidfile(name).write_text(f"{proc.pid} {_proc_start_time(proc.pid)}\n")

@@ -35,6 +35,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from omnifleet_runtime.lifetime import parent_death_preexec
+
 from . import build, hostdeps, images, node
 from .cluster import DevCluster, DevClusterError, _proc_start_time, _tail, default_state_dir
 
@@ -178,7 +180,9 @@ def free_port() -> int:
 
 
 def operator_argv(liveness_url: str, extra: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "omnifleet_operator.cli", "operator", "--liveness", liveness_url, *extra]
+    # A free port for /metrics: several local operators (tests, benchmarks) must not collide.
+    return [sys.executable, "-m", "omnifleet_operator.cli", "operator", "--liveness", liveness_url,
+            "--metrics-port", str(free_port()), *extra]
 
 
 def operator_env(kubeconfig: Path, **settings: str | int | float) -> dict[str, str]:
@@ -254,7 +258,8 @@ class OperatorProcess:
             # Own session: a Ctrl-C in the terminal that ran `dev up` does not reach it.
             proc = subprocess.Popen(operator_argv(url), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=operator_env(kubeconfig, **settings),
-                                    cwd=self.state_dir, start_new_session=True)
+                                    cwd=self.state_dir, start_new_session=True,
+                                    preexec_fn=parent_death_preexec(signal.SIGTERM) if cluster.owned else None)
         self.info_file.write_text(json.dumps({"pid": proc.pid, "start": _proc_start_time(proc.pid),
                                               "liveness": url, "kubeconfig": str(kubeconfig)}))
         try:
@@ -290,14 +295,18 @@ def _killpg(pid: int, sig: int) -> None:
 
 # -- the commands --------------------------------------------------------------------
 
-def up(state_dir: Path | None = None, real_node: bool = True) -> DevCluster:
-    """Start (or reuse) cluster, nodes, images, install and operator. Raises on failure."""
+def up(state_dir: Path | None = None, real_node: bool = True, owned: bool = False) -> DevCluster:
+    """Start (or reuse) cluster, nodes, images, install and operator. Raises on failure.
+
+    owned: what this starts dies with the calling process (`make run`); else it
+    outlives it until `dev down` (`omnifleet dev up`). A reused cluster keeps its own.
+    """
     state_dir = Path(state_dir or default_state_dir()).resolve()
     if real_node:
-        return up_real(state_dir)
+        return up_real(state_dir, owned)
     say("checking the Kubernetes binaries (a first build takes several minutes) ...")
     build.ensure_binaries(verbose=True)
-    cluster = DevCluster(state_dir, real_node=False)
+    cluster = DevCluster(state_dir, real_node=False, owned=owned)
     op = OperatorProcess(state_dir)
     if cluster.is_running():
         say(f"control plane already running at {cluster.apiserver_url}")
@@ -325,13 +334,13 @@ def up(state_dir: Path | None = None, real_node: bool = True) -> DevCluster:
     return cluster
 
 
-def up_real(state_dir: Path) -> DevCluster:
+def up_real(state_dir: Path, owned: bool = False) -> DevCluster:
     t0 = time.monotonic()
     say("checking the Debian packages of the node (containerd, runc, CNI, iptables, ipset, buildah, ...) ...")
     hostdeps.ensure(say)
     say("checking the Kubernetes binaries: control plane and node (a first build takes about 10 minutes) ...")
     build.ensure_binaries(verbose=False, components=build.COMPONENTS)
-    cluster = DevCluster(state_dir, real_node=True)
+    cluster = DevCluster(state_dir, real_node=True, owned=owned)
     stale = OperatorProcess(state_dir)
     if stale.stop() is not None:
         say("stopped a local operator left from a cluster without the real node")

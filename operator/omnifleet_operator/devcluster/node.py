@@ -133,7 +133,10 @@ state = {_toml_str(str(n / "containerd-state"))}
         # Images are loaded by hand, never pulled: do not collect them.
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
-        "evictionHard": {"memory.available": "200Mi", "nodefs.available": "2%", "imagefs.available": "2%"},
+        # No disk-pressure eviction (as kind does): a developer's nearly full disk would taint the one node
+        # and leave every pod Pending; the images and model are loaded once and never pulled again.
+        "evictionHard": {"memory.available": "200Mi", "nodefs.available": "0%", "nodefs.inodesFree": "0%",
+                         "imagefs.available": "0%"},
         "serializeImagePulls": False,
         "podLogsDir": str(n / "pod-logs"),
         "shutdownGracePeriod": "0s",
@@ -246,6 +249,7 @@ def teardown(cluster: DevCluster) -> None:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+    kill_pod_processes()
     node_dir = str(s / "node")
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     for m in sorted((m for m in mounts if m.startswith((node_dir, str(containerd_root()), "/run/netns/cni-"))),
@@ -277,6 +281,28 @@ def teardown(cluster: DevCluster) -> None:
     shutil.rmtree(s / "node" / "containerd-state", ignore_errors=True)
     shutil.rmtree(s / "node" / "kubelet", ignore_errors=True)
     shutil.rmtree(s / "node" / "cni-ipam", ignore_errors=True)
+
+
+def kill_pod_processes() -> int:
+    """SIGKILL every process left in the node's pod cgroups; how many.
+
+    A container whose task containerd no longer lists (containerd stopped first, a shim killed) keeps
+    running as an orphan in its pod's cgroup: seen with masters still serving after the node was gone.
+    """
+    n = 0
+    for d in Path("/sys/fs/cgroup").glob("*/kubepods"):
+        for procs in d.rglob("cgroup.procs"):
+            try:
+                pids = [int(x) for x in procs.read_text().split()]
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(pid, 9)
+                    n += 1
+                except ProcessLookupError:
+                    pass
+    return n
 
 
 def _pids_with_arg(arg: str) -> list[int]:

@@ -26,6 +26,11 @@ class EngineRequest:
     info: RequestInfo
 
 
+class BadInput(ValueError):
+    """The request itself is wrong (an input or a parameter the engine cannot take): the client gets 400
+    with this message, not a 500. Engines, input processors and python stages raise it for that."""
+
+
 class EngineStartError(RuntimeError):
     """The stage's engine cannot start (bad engine arg, missing model, ...); the message says why,
     naming the stage. The stage logs it as one line and exits non-zero."""
@@ -35,6 +40,8 @@ class Engine(abc.ABC):
     # Requests the stage lets into generate() at once; None means no limit
     # (engines that batch, like vLLM, queue internally).
     max_concurrency: int | None = None
+    # The stage's metrics.StageMetrics, set before start(); engines with series of their own record there.
+    metrics: Any = None
 
     async def start(self) -> None:
         """Load weights and warm up; called once before the stage registers."""

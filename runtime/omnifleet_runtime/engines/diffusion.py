@@ -294,9 +294,11 @@ class DiffusionEngine(Engine):
             latents = latents * sched.init_noise_sigma
             cfg = s["guidance"] > 1.0 and cond is not None
             context = torch.cat([torch.zeros_like(cond), cond]) if cfg else cond
+            m, stage = self.metrics, self.stage.name
             for t in sched.timesteps:
                 if cancelled.is_set():
                     raise Cancelled("aborted")
+                step_t0 = time.perf_counter()
                 x = torch.cat([latents, latents]) if cfg else latents
                 x = sched.scale_model_input(x, t)
                 tt = t.expand(x.shape[0]).to(self.device) if torch.is_tensor(t) else torch.full((x.shape[0],), t)
@@ -306,6 +308,8 @@ class DiffusionEngine(Engine):
                     uncond, conditioned = eps.chunk(2)
                     eps = uncond + s["guidance"] * (conditioned - uncond)
                 latents = sched.step(eps, t, latents).prev_sample
+                if m is not None:
+                    m.diffusion_step.observe(time.perf_counter() - step_t0, stage=stage)
             image = latents
             if vae is not None:
                 factor = getattr(vae.config, "scaling_factor", 1.0)
@@ -315,6 +319,8 @@ class DiffusionEngine(Engine):
                                  "image (1, 3 or 4)")
             pixels = ((image.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
         self.images += n
+        if self.metrics is not None:
+            self.metrics.images.inc(n, stage=self.stage.name)
         return {"images": array_of(pixels.contiguous()), "seed": s["seed"]}
 
     # ------------------------------------------------------------ control

@@ -27,7 +27,13 @@ client's chat `messages` or completion `prompt`):
   here, once, with the generation prompt added;
 - a list of ints: token ids;
 - a dict with one of `prompt`, `messages`, `prompt_token_ids`, and optionally
-  `sampling_params` (overrides for this item) and `chat_template_kwargs`.
+  `sampling_params` (overrides for this item) and `chat_template_kwargs`
+  (template variables; apply_chat_template's own arguments are refused).
+
+Templating and tokenizing run in one worker thread of the engine, never on
+the stage's event loop: a slow or hostile template then delays its own
+request, not the heartbeats and every other request of the replica. (The
+master refuses request-supplied templates unless the pipeline trusts them.)
 
 Sampling params: the stage's `samplingParams`, overridden per request; any
 `vllm.SamplingParams` field (an unknown one fails the request, naming it).
@@ -51,6 +57,7 @@ benchmarks); `sleep`, `wake_up`, `reset_prefix_cache`, `start_profile`,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import difflib
 import inspect
@@ -62,7 +69,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from ..schema import Stage
-from .base import Engine, EngineRequest, EngineStartError
+from .base import BadInput, Engine, EngineRequest, EngineStartError
 from .tensors import is_tensor_like, to_wire
 
 log = logging.getLogger("omnifleet.engine.vllm")
@@ -72,6 +79,10 @@ _PLAIN_FIELDS = {"index", "text", "token_ids", "cumulative_logprob", "logprobs",
                  "lora_request", "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs",
                  "finished", "metrics", "encoder_prompt", "encoder_prompt_token_ids", "num_cached_tokens"}
 _PASSTHROUGH_CONTROL = ("sleep", "wake_up", "reset_prefix_cache", "start_profile", "stop_profile", "is_sleeping")
+# Arguments of apply_chat_template itself, which template kwargs must not override.
+_TEMPLATE_ARGS = {"tokenize", "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                  "return_assistant_tokens_mask", "padding", "truncation", "max_length", "conversation",
+                  "tokenizer_kwargs"}
 
 
 def expand_model(stage: Stage) -> str:
@@ -114,6 +125,8 @@ class VllmEngine(Engine):
         self.start_s = 0.0
         self.model = ""
         self._vllm: Any = None
+        # One thread: HF fast tokenizers are not safe to call from several threads at once.
+        self._prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{stage.name}-tokenize")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -182,6 +195,7 @@ class VllmEngine(Engine):
         return None
 
     async def shutdown(self) -> None:
+        self._prompts.shutdown(wait=False, cancel_futures=True)
         if self.engine is None:
             return
         try:
@@ -201,9 +215,12 @@ class VllmEngine(Engine):
         if isinstance(item, dict):
             overrides = dict(item.get("sampling_params") or {})
             template_kwargs = dict(item.get("chat_template_kwargs") or {})
+            if reserved := sorted(_TEMPLATE_ARGS & set(template_kwargs)):
+                raise BadInput(f"stage {self.stage.name!r}: chat_template_kwargs may hold template variables "
+                                 f"only, not {', '.join(reserved)}")
             keys = [k for k in ("prompt_token_ids", "messages", "prompt") if item.get(k) is not None]
             if not keys:
-                raise ValueError(f"stage {self.stage.name!r}: an input dict needs one of prompt, messages or "
+                raise BadInput(f"stage {self.stage.name!r}: an input dict needs one of prompt, messages or "
                                  f"prompt_token_ids (got keys {sorted(item)})")
             item = item[keys[0]]
         if isinstance(item, str):
@@ -215,7 +232,7 @@ class VllmEngine(Engine):
         if isinstance(item, (list, tuple)) and item and all(isinstance(t, int) and not isinstance(t, bool)
                                                             for t in item):
             return list(item), None, overrides
-        raise ValueError(f"stage {self.stage.name!r}: cannot make a prompt of {type(item).__name__} "
+        raise BadInput(f"stage {self.stage.name!r}: cannot make a prompt of {type(item).__name__} "
                          f"{_short(item)}: expected text, chat messages or token ids")
 
     def _tok(self) -> Any:
@@ -238,10 +255,13 @@ class VllmEngine(Engine):
         known = _sampling_fields(SamplingParams)
         unknown = sorted(k for k in p if k not in known)
         if unknown:
-            raise ValueError(f"stage {self.stage.name!r}: unknown sampling parameter(s) {', '.join(unknown)} "
+            raise BadInput(f"stage {self.stage.name!r}: unknown sampling parameter(s) {', '.join(unknown)} "
                              "(not fields of vllm.SamplingParams)")
-        return SamplingParams(**{k: v for k, v in p.items() if v is not None},
-                              output_kind=RequestOutputKind.DELTA)
+        try:
+            return SamplingParams(**{k: v for k, v in p.items() if v is not None},
+                                  output_kind=RequestOutputKind.DELTA)
+        except (TypeError, ValueError) as e:  # vLLM's own checks of the values
+            raise BadInput(f"stage {self.stage.name!r}: bad sampling parameters: {e}") from e
 
     def _engine_prompt(self, ids: list[int], text: str | None) -> Any:
         try:
@@ -262,7 +282,8 @@ class VllmEngine(Engine):
 
     async def generate_one(self, item: Any, params: dict[str, Any], rid: str,
                            owner: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        ids, text, overrides = self.prompt_of(item)
+        loop = asyncio.get_running_loop()
+        ids, text, overrides = await loop.run_in_executor(self._prompts, self.prompt_of, item)
         sp = self.sampling_params({**params, **overrides})
         vid = f"{rid}-{uuid.uuid4().hex[:8]}"
         owned = self.active.setdefault(owner or rid, set())
@@ -362,7 +383,7 @@ def _text_messages(messages: list[dict[str, Any]], stage: str) -> list[dict[str,
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"stage {stage!r}: content part of type {kind!r} is not supported "
+                    raise BadInput(f"stage {stage!r}: content part of type {kind!r} is not supported "
                                      "(text only)")
                 texts.append(part.get("text", ""))
             m = {**m, "content": "".join(texts)}
