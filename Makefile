@@ -21,6 +21,7 @@ run: setup
 
 test: setup
 	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_cpu
+	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_omni_env
 	$(BIN)/python -m pytest -q
 
 # The repo's images (runtime/Dockerfile, operator/Dockerfile) built with buildah on local bases;

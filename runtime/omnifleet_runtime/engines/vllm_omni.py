@@ -1,0 +1,327 @@
+"""The `vllm-omni` engine: one of vLLM-Omni's own stage engines behind an omnifleet stage.
+
+The stage process runs with vLLM-Omni's environment (its image in production;
+`python -m omnifleet_runtime.devsetup.vllm_omni_env` builds one here) and
+omnifleet's runtime on PYTHONPATH.
+
+One stage of a vLLM-Omni pipeline becomes one engine:
+- The stage's place in its pipeline (`vllmOmni.pipeline`, `stageId`) is looked
+  up in vLLM-Omni's pipeline registry. A one-stage copy of that stage (no
+  upstream, its output final, no connector wiring) is registered as
+  `omnifleet.<pipeline>.<stageId>` and started through vLLM-Omni's own entry
+  point, `vllm_omni.AsyncOmni`, with a deploy file holding this stage's deploy
+  settings (`engineArgs`, default sampling params): the stage engine core, its
+  AR or generation worker, scheduler and model are vLLM-Omni's.
+- vLLM-Omni's data plane between stages (its worker connector) is omnifleet's
+  wire instead. A stage sends its token ids and every tensor its engine output
+  carries (hidden states, codec codes, audio) as `wire.Array`s. The downstream
+  stage runs on them the upstream stage's payload builder (its
+  `custom_process_next_stage_input_func`, e.g. `thinker2talker_full_payload`)
+  and its own input processor (`vllmOmni.inputProcessor`, e.g.
+  `thinker2talker_token_only`), and gives its engine the payload as the
+  request's `additional_information`, which vLLM-Omni's model runner puts where
+  its connector would have: the model's intermediate buffer.
+
+Inputs of the entry stage: a string (text prompt), a list of ints (token ids),
+chat messages (the model's chat template is applied), or a dict with one of
+`prompt`, `prompt_token_ids`, `messages`. A downstream stage takes its upstream
+stage's output chunks (`inputMode: whole`).
+
+Output: one chunk per request when the engine finishes it: `token_ids`,
+`prompt_token_ids`, `text`, `finish_reason` and `extra` (every tensor of the
+output, as arrays); a stage whose final output is audio also carries `audio`
+(float32 samples) and `sample_rate`.
+
+Not yet: `async_chunk` streaming (refused at start), fan-in from several
+upstream stages (refused at start), CFG companions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import logging
+import tempfile
+import types
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from .. import constants as C
+from ..schema import Stage
+from ..wire import Array
+from .base import BadInput, Engine, EngineRequest, EngineStartError
+from .tensors import is_tensor_like, to_tensor, to_wire
+from .vllm import expand_model
+
+log = logging.getLogger("omnifleet.engine.vllm_omni")
+
+# Qwen2.5-Omni's and Qwen3-Omni's code2wav: 24 kHz.
+DEFAULT_SAMPLE_RATE = 24000
+# Engine args that describe the pipeline's wiring, which the stage's vllmOmni block and vLLM-Omni's
+# registry already fix; the importer copies them into engineArgs for the record.
+_WIRING = {"async_chunk", "session_mode", "inline_diffusion"}
+_FINISH_STATUS = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH_CAPPED", "abort": "FINISHED_ABORTED"}
+
+MISSING = (
+    "stage {stage!r} is a vllm-omni stage, and this stage's python ({python}) cannot import vLLM-Omni ({error}): "
+    "run it with vLLM-Omni's environment (its image, or the python that "
+    "`python -m omnifleet_runtime.devsetup.vllm_omni_env --print-python` prints)"
+)
+
+
+def _load(ref: str) -> Any:
+    module, _, attr = ref.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+class VllmOmniEngine(Engine):
+    max_concurrency = None  # vLLM-Omni's scheduler batches and queues
+
+    def __init__(self, stage: Stage, replica: str):
+        self.stage = stage
+        self.replica = replica
+        self.spec = stage.vllm_omni
+        self.omni: Any = None
+        self.pipeline_stage: Any = None  # vLLM-Omni's StagePipelineConfig of this stage
+        self.upstream_builder: Any = None  # the upstream stage's payload builder
+        self.input_processor: Any = None
+        self.tokenizer: Any = None
+        self.model = ""
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self._active: dict[str, set[str]] = {}  # our request id -> vLLM-Omni request ids
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        name = self.stage.name
+        try:
+            import vllm_omni  # noqa: F401
+        except Exception as e:  # ImportError, or a broken install
+            import sys
+
+            raise EngineStartError(MISSING.format(stage=name, python=sys.executable,
+                                                  error=f"{type(e).__name__}: {e}")) from None
+        if self.spec is None:
+            raise EngineStartError(f"stage {name!r}: vllmOmni is required for vllm-omni stages")
+        if self.spec.async_chunk or self.stage.engine_args.get("async_chunk"):
+            raise EngineStartError(f"stage {name!r}: vllmOmni.asyncChunk (vLLM-Omni's async_chunk streaming) "
+                                   "is not supported by this engine yet; set it to false")
+        if len(self.stage.inputs) > 1:
+            raise EngineStartError(f"stage {name!r}: a vllm-omni stage takes one upstream stage, "
+                                   f"not {len(self.stage.inputs)}")
+        self.model = expand_model(self.stage)
+        from vllm_omni.config.pipeline_registry import register_pipeline, resolve_pipeline_config
+
+        pipeline = resolve_pipeline_config(self.spec.pipeline)
+        if pipeline is None:
+            raise EngineStartError(f"stage {name!r}: vllmOmni.pipeline {self.spec.pipeline!r} is not a pipeline "
+                                   "of this vLLM-Omni")
+        by_id = {s.stage_id: s for s in pipeline.stages}
+        mine = by_id.get(self.spec.stage_id)
+        if mine is None:
+            raise EngineStartError(f"stage {name!r}: vllmOmni.stageId {self.spec.stage_id} is not a stage of "
+                                   f"pipeline {self.spec.pipeline!r} (its stages: {sorted(by_id)})")
+        self.pipeline_stage = mine
+        if self.stage.inputs and mine.input_sources:
+            upstream = by_id[mine.input_sources[0]]
+            if upstream.custom_process_next_stage_input_func:
+                self.upstream_builder = _load(upstream.custom_process_next_stage_input_func)
+        processor = self.spec.input_processor or mine.sync_process_input_func or mine.custom_process_input_func
+        if self.stage.inputs and processor:
+            self.input_processor = _load(processor)
+        key = f"omnifleet.{self.spec.pipeline}.{self.spec.stage_id}"
+        single = dataclasses.replace(
+            mine, stage_id=0, input_sources=(), final_output=True,
+            final_output_type=mine.final_output_type or ("audio" if mine.engine_output_type == "audio" else "text"),
+            custom_process_input_func=None, custom_process_next_stage_input_func=None,
+            async_chunk_process_next_stage_input_func=None, sync_process_input_func=None,
+            **({"requires_full_payload_input": False}
+               if "requires_full_payload_input" in {f.name for f in dataclasses.fields(mine)} else {}))
+        register_pipeline(dataclasses.replace(pipeline, model_type=key, stages=(single,),
+                                              default_deploy_config_name=None))
+        pipe_fields = {f.name for f in dataclasses.fields(mine)}
+        deploy_stage = {k: v for k, v in self.stage.engine_args.items() if k not in pipe_fields | _WIRING}
+        deploy_stage.update(stage_id=0, devices=self.spec.devices or "0")
+        if self.stage.sampling_params:
+            deploy_stage["default_sampling_params"] = dict(self.stage.sampling_params)
+        import yaml
+
+        self._dir = tempfile.TemporaryDirectory(prefix=f"omnifleet-{name}-")
+        deploy = Path(self._dir.name) / "deploy.yaml"
+        deploy.write_text(yaml.safe_dump({"pipeline": key, "async_chunk": False, "stages": [deploy_stage]}))
+        from vllm_omni import AsyncOmni
+
+        timeout = self.stage.engine_start_timeout_seconds or C.ENGINE_START_TIMEOUT_S
+        log.info("stage %s: starting vLLM-Omni stage %s/%d (%s, %s) on %s", name, self.spec.pipeline,
+                 self.spec.stage_id, mine.model_stage, self.spec.worker_type, self.model)
+        try:
+            # On the event loop's thread, as vLLM's engine is made: AsyncOmni binds its output task to this loop.
+            self.omni = AsyncOmni(model=self.model, deploy_config=str(deploy), stage_init_timeout=timeout,
+                                  init_timeout=timeout + 60)
+        except Exception as e:
+            raise EngineStartError(f"stage {name!r}: vLLM-Omni stage engine failed to start: "
+                                   f"{type(e).__name__}: {e}") from e
+
+    def dead(self) -> str | None:
+        if self.omni is not None and getattr(self.omni, "errored", False):
+            return "the vLLM-Omni stage engine is dead (its orchestrator or engine core stopped)"
+        return None
+
+    async def shutdown(self) -> None:
+        if self.omni is not None:
+            await asyncio.to_thread(self.omni.shutdown)
+            self.omni = None
+        if self._dir is not None:
+            self._dir.cleanup()
+
+    async def abort(self, request_id: str) -> None:
+        if self.omni is not None:
+            for rid in self._active.pop(request_id, ()):
+                await self.omni.abort(rid)
+
+    # ------------------------------------------------------------ requests
+
+    def sampling_params(self, params: dict[str, Any]) -> Any:
+        from vllm import SamplingParams
+
+        p = {k: v for k, v in params.items() if v is not None}
+        if "max_completion_tokens" in p:
+            p["max_tokens"] = p.pop("max_completion_tokens")
+        fields = set(SamplingParams.__struct_fields__) if hasattr(SamplingParams, "__struct_fields__") else None
+        if fields is not None and (unknown := sorted(set(p) - fields)):
+            raise BadInput(f"stage {self.stage.name!r}: unknown sampling parameter(s) {', '.join(unknown)}")
+        try:
+            return SamplingParams(**p)
+        except (TypeError, ValueError) as e:
+            raise BadInput(f"stage {self.stage.name!r}: bad sampling parameters: {e}") from None
+
+    def entry_prompt_of(self, item: Any, rid: str) -> dict[str, Any]:
+        if isinstance(item, dict) and "sampling_params" in item:
+            item = {k: v for k, v in item.items() if k != "sampling_params"}
+        if isinstance(item, str):
+            return {"prompt_token_ids": self._encode(item)}
+        if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            return {"prompt_token_ids": list(item)}
+        if isinstance(item, list) and all(isinstance(m, dict) and "role" in m for m in item):
+            return {"prompt_token_ids": self._chat(item)}
+        if isinstance(item, dict):
+            if isinstance(item.get("prompt_token_ids"), list):
+                return {"prompt_token_ids": [int(t) for t in item["prompt_token_ids"]]}
+            if isinstance(item.get("prompt"), str):
+                return {"prompt_token_ids": self._encode(item["prompt"])}
+            if isinstance(item.get("messages"), list):
+                return {"prompt_token_ids": self._chat(item["messages"])}
+        raise BadInput(f"stage {self.stage.name!r}: input must be a prompt string, token ids, chat messages or a "
+                       f"dict with prompt, prompt_token_ids or messages; got {type(item).__name__}")
+
+    def _tok(self) -> Any:
+        # Prompts reach the stage engine as token ids (its stage-0 input path renders tokens only).
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+        return self.tokenizer
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tok().encode(text))
+
+    def _chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        for m in messages:
+            if not isinstance(m.get("content"), (str, type(None))):
+                raise BadInput(f"stage {self.stage.name!r}: only text message content is supported here")
+        ids = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # transformers 5 returns a BatchEncoding (a mapping, not a dict) here.
+        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+    def downstream_prompt(self, item: Any, rid: str) -> dict[str, Any]:
+        """The upstream stage's output chunks -> this stage's prompt, through vLLM-Omni's own processors."""
+        chunks = item if isinstance(item, list) else [item]
+        if not chunks or not all(isinstance(c, dict) for c in chunks):
+            raise BadInput(f"stage {self.stage.name!r}: upstream output must be the chunks of a vllm-omni stage")
+        last = chunks[-1]
+        prompt_ids = [int(t) for t in last.get("prompt_token_ids") or []]
+        out_ids = [int(t) for c in chunks for t in c.get("token_ids") or []]
+        extra = {k: to_tensor(v) if isinstance(v, Array) else v for k, v in (last.get("extra") or {}).items()}
+        finish = last.get("finish_reason")
+        completion = types.SimpleNamespace(token_ids=out_ids, cumulative_token_ids=out_ids, text=last.get("text", ""),
+                                           finish_reason=finish, multimodal_output=extra)
+        source = types.SimpleNamespace(request_id=rid, prompt_token_ids=prompt_ids, outputs=[completion],
+                                       finished=True, multimodal_output=extra)
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+        if self.input_processor is not None:
+            made = self.input_processor([source], prompt, False)
+            if not made:
+                raise BadInput(f"stage {self.stage.name!r}: the upstream stage produced nothing this stage can take")
+            prompt = dict(made[0])
+        else:
+            prompt = {"prompt_token_ids": out_ids}
+        if self.upstream_builder is not None:
+            request = types.SimpleNamespace(
+                request_id=rid, prompt_token_ids=prompt_ids, output_token_ids=out_ids,
+                all_token_ids=prompt_ids + out_ids,
+                status=types.SimpleNamespace(name=_FINISH_STATUS.get(finish, "")))
+            payload = self.upstream_builder(None, extra, request)
+            if payload is None:
+                raise BadInput(f"stage {self.stage.name!r}: the upstream payload builder made no payload "
+                               "(see the stage log)")
+            prompt["additional_information"] = payload
+        return prompt
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        params = self.sampling_params(request.sampling_params)
+        n = 0
+        async for item in request.inputs:
+            rid = f"{request.request_id}-{n}-{uuid.uuid4().hex[:8]}"
+            n += 1
+            # Templates, tokenizers and payload builders run off the event loop (heartbeats keep going).
+            prompt = await asyncio.to_thread(self.downstream_prompt if self.stage.inputs else self.entry_prompt_of,
+                                             item, rid)
+            self._active.setdefault(request.request_id, set()).add(rid)
+            last = None
+            try:
+                async for out in self.omni.generate(prompt, request_id=rid, sampling_params_list=[params]):
+                    last = out
+            finally:
+                self._active.get(request.request_id, set()).discard(rid)
+            if last is None:
+                raise RuntimeError(f"stage {self.stage.name!r}: vLLM-Omni returned no output")
+            yield self._chunk(last)
+        self._active.pop(request.request_id, None)
+
+    def _chunk(self, out: Any) -> dict[str, Any]:
+        completion = out.outputs[0] if getattr(out, "outputs", None) else None
+        ro = getattr(out, "request_output", None)
+        if completion is None and ro is not None and getattr(ro, "outputs", None):
+            completion = ro.outputs[0]
+        tensors: dict[str, Any] = {}
+        for holder in (completion, ro, out):
+            mm = getattr(holder, "multimodal_output", None) if holder is not None else None
+            mm = getattr(mm, "tensors", mm)
+            if isinstance(mm, dict):
+                for k, v in mm.items():
+                    if is_tensor_like(v) and k not in tensors:
+                        tensors[k] = v
+                    elif isinstance(v, list) and v and all(is_tensor_like(x) for x in v) and k not in tensors:
+                        import torch
+
+                        tensors[k] = torch.cat([x.reshape(-1) if x.dim() <= 1 else x for x in v])
+        chunk: dict[str, Any] = {
+            "token_ids": [int(t) for t in (completion.token_ids if completion is not None else [])],
+            "prompt_token_ids": [int(t) for t in (getattr(out, "prompt_token_ids", None)
+                                                  or getattr(ro, "prompt_token_ids", None) or [])],
+            "text": (getattr(completion, "text", "") or "") if completion is not None else "",
+            "finish_reason": getattr(completion, "finish_reason", None) if completion is not None else None,
+            "extra": to_wire(tensors),
+        }
+        if getattr(out, "final_output_type", None) == "audio" or self.stage.final_output == "audio":
+            audio = tensors.get("audio")
+            if audio is None:
+                raise RuntimeError(f"stage {self.stage.name!r}: vLLM-Omni's output has no audio "
+                                   f"(its tensors: {sorted(tensors)})")
+            sr = tensors.get("sr")
+            chunk["audio"] = to_wire(audio.detach().to("cpu").float().reshape(-1))
+            chunk["sample_rate"] = int(sr.reshape(-1)[0].item()) if is_tensor_like(sr) else DEFAULT_SAMPLE_RATE
+        return chunk
+

@@ -1,0 +1,189 @@
+"""vLLM-Omni's own stage engines as omnifleet stages: a tiny Qwen2.5-Omni's thinker behind omnifleet's master.
+
+The thinker is a `vllm-omni` stage in its own pod process, run with vLLM-Omni's
+environment (built by devsetup.vllm_omni_env; the suite fails if it cannot be
+built). The oracle is vLLM-Omni's own single-process `Omni` engine running the
+whole thinker -> talker -> code2wav pipeline on the same checkpoint, prompt,
+deploy settings and seeds (tests/engines/vllm_omni_oracle.py): the thinker's
+tokens through omnifleet must equal the oracle's. The talker and code2wav as
+omnifleet stages are not here yet: the thinker's one-stage engine returns no
+hidden states for the talker (see the README).
+
+Start-up dominates (minutes per engine on two cores, and vLLM-Omni starts
+engines that share a device one at a time): one fleet and one oracle run for
+the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleet_harness import Fleet, pipeline  # noqa: E402
+
+from omnifleet_runtime.devsetup import vllm_omni_env  # noqa: E402
+
+from ..conftest import time_limit  # noqa: E402
+from .conftest import HEARTBEAT, HERE, report  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+# The module fixtures (environment, model, oracle, fleet) run inside the first test. vLLM-Omni serializes
+# engine initialisation per device through a lock file in /tmp, and every stage here is on "device 0":
+# the three stage engines start one after another.
+TEST_TIMEOUT_S = 2400
+
+PROC = "vllm_omni.model_executor.stage_input_processors.qwen2_5_omni"
+ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 2048, "max_num_seqs": 1,
+          "enforce_eager": True, "trust_remote_code": True, "enable_prefix_caching": False}
+# The deploy file's stages as the CPU needs them (code2wav fails in bfloat16), and the sampling
+# params of vLLM-Omni's qwen2_5_omni deploy file (the talker's repetition penalty included).
+STAGES = [
+    dict(name="thinker", stageId=0, modelStage="thinker", workerType="ar", final="text", processor=None,
+         engine={**ENGINE, "mm_processor_cache_gb": 0},
+         sampling={"max_tokens": 6, "temperature": 0.0, "seed": 42, "repetition_penalty": 1.1}),
+    dict(name="talker", stageId=1, modelStage="talker", workerType="ar", final="none",
+         processor=f"{PROC}.thinker2talker_token_only", engine=ENGINE,
+         sampling={"max_tokens": 16, "temperature": 0.9, "top_p": 0.8, "top_k": 40, "seed": 42,
+                   "repetition_penalty": 1.05, "stop_token_ids": [8294]}),
+    dict(name="code2wav", stageId=2, modelStage="code2wav", workerType="generation", final="audio",
+         processor=f"{PROC}.talker2code2wav_token_only", engine={**ENGINE, "async_scheduling": False},
+         sampling={"max_tokens": 2048, "temperature": 0.0, "seed": 42, "repetition_penalty": 1.1}),
+]
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(autouse=True)
+def overall_timeout():
+    with time_limit(TEST_TIMEOUT_S):
+        yield
+
+
+@pytest.fixture(scope="module")
+def omni_python() -> str:
+    try:
+        return str(vllm_omni_env.build())
+    except Exception as e:  # the suite's real part cannot run: fail, never skip
+        pytest.fail(f"vLLM-Omni's environment cannot be built: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_omni(omni_python) -> str:
+    proc = subprocess.run([omni_python, "-m", "omnifleet_runtime.devsetup.tiny_omni", "--print-path"],
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _env() -> dict[str, str]:
+    root = Path(__file__).resolve().parents[2]
+    return {**os.environ, "PYTHONPATH": f"{root / 'runtime'}:{root}", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
+    tmp = tmp_path_factory.mktemp("oracle")
+    deploy = {"async_chunk": False,
+              "stages": [{"stage_id": s["stageId"], "devices": "0", **s["engine"], "default_sampling_params": s["sampling"]}
+                         for s in STAGES]}
+    (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
+    (tmp / "request.json").write_text(json.dumps({"messages": MESSAGES,
+                                                  "sampling_params": [s["sampling"] for s in STAGES]}))
+    t = time.monotonic()
+    with open(tmp / "oracle.log", "wb") as logf:
+        # Its own process group: the oracle ends with os._exit, and the stage engine processes vLLM-Omni
+        # spawned would outlive it; the whole group goes when it is done.
+        proc = subprocess.Popen([omni_python, str(HERE / "vllm_omni_oracle.py"), tiny_omni, str(tmp / "deploy.yaml"),
+                                 str(tmp / "request.json"), str(tmp)], stdout=logf, stderr=subprocess.STDOUT,
+                                env=_env(), cwd=tmp, start_new_session=True)
+        try:
+            proc.wait(timeout=900)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    log = (tmp / "oracle.log").read_text(errors="replace")
+    assert proc.returncode == 0 and (tmp / "result.json").exists(), log[-6000:]
+    result = json.loads((tmp / "result.json").read_text())
+    result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
+    report(request.config, "vllm-omni", f"oracle (vLLM-Omni's Omni, 3 stages in one process): engine start "
+           f"{result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
+    return result
+
+
+def doc(model: str) -> dict:
+    stages = []
+    for s in STAGES[:1]:  # the thinker (see the module's docstring)
+        stage = {"name": s["name"], "type": "vllm-omni", "gpus": 0, "engineArgs": s["engine"],
+                 "samplingParams": s["sampling"], "engineStartTimeoutSeconds": 1500,
+                 "vllmOmni": {"pipeline": "qwen2_5_omni", "stageId": s["stageId"], "modelStage": s["modelStage"],
+                              "workerType": s["workerType"]}}
+        if s["processor"]:
+            stage["vllmOmni"]["inputProcessor"] = s["processor"]
+        if s["final"] != "none":
+            stage["finalOutput"] = s["final"]
+        if stages:
+            stage["inputs"] = [stages[-1]["name"]]
+            stage["inputMode"] = "whole"
+        stages.append(stage)
+    d = pipeline(*stages, name="qwen-omni")
+    d["spec"]["model"] = model
+    d["spec"]["heartbeat"] = HEARTBEAT
+    return d
+
+
+@pytest.fixture(scope="module")
+def fleet(omni_python, tiny_omni, oracle, tmp_path_factory, request):
+    f = Fleet(tmp_path_factory.mktemp("omni-fleet"), doc(tiny_omni))
+    f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    t = time.monotonic()
+    try:
+        f.start_master()
+        for s in STAGES[:1]:
+            f.start_pod(f"{s['name']}-0", s["name"], python=omni_python)
+        f.wait_ready(timeout=1500)
+        report(request.config, "vllm-omni", f"fleet of a vLLM-Omni thinker stage engine ready in "
+               f"{time.monotonic() - t:.1f}s (started side by side on {len(os.sched_getaffinity(0))} cores)")
+        yield f
+    except BaseException:
+        print(f.logs()[-30000:])
+        raise
+    finally:
+        f.stop()
+
+
+def chat(fleet: Fleet) -> dict:
+    status, body = fleet.http("POST", "/v1/chat/completions", {
+        "model": "qwen-omni", "messages": MESSAGES, "return_token_ids": True})
+    assert status == 200, body
+    return body
+
+
+def test_thinker_tokens_through_omnifleet_match_vllm_omnis_own_engine(fleet, oracle, request):
+    t = time.monotonic()
+    body = chat(fleet)
+    took = time.monotonic() - t
+    choice = body["choices"][0]
+    assert oracle["thinker_token_ids"], oracle
+    assert choice["token_ids"] == oracle["thinker_token_ids"]
+    # The oracle ran the whole pipeline: its audio is what the talker and code2wav stages must give here next.
+    assert oracle["audio_samples"] > 0
+    report(request.config, "vllm-omni", f"request through omnifleet: {took:.2f}s; thinker tokens "
+           f"{choice['token_ids']} (vLLM-Omni's own engine: the same; its audio {oracle['audio_samples']} samples)")
+
+
+def test_same_request_twice_gives_the_same_answer(fleet):
+    """Seeded sampling: a repeated request is answered identically."""
+    a, b = chat(fleet), chat(fleet)
+    assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
