@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -330,14 +331,17 @@ class Fleet:
     """A master and stage pods (real processes) on loopback ports; `with Fleet(...) as f:` stops them."""
 
     def __init__(self, name: str, stages: list[dict[str, Any]], profile_dir: Path | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, spec: dict[str, Any] | None = None):
         import yaml
 
         self.name = name
         self.dir = Path(tempfile.mkdtemp(prefix=f"omnifleet-bench-{name}-"))
         self.config = self.dir / "pipeline.yaml"
-        self.config.write_text(yaml.safe_dump(pipeline_doc(stages)))
-        self.api_port, self.control_port = free_port(), free_port()
+        doc = pipeline_doc(stages)
+        doc["spec"].update(spec or {})  # e.g. {"security": {"dataPlane": "plain-auth"}}
+        self.config.write_text(yaml.safe_dump(doc))
+        self.api_port, self.control_port, self.admin_port = free_port(), free_port(), free_port()
+        self.admin_token = uuid.uuid4().hex
         self.procs: dict[str, Proc] = {}
         self.pod_stages: dict[str, list[str]] = {}
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
@@ -347,6 +351,10 @@ class Fleet:
             self.env.pop(k, None)
         if profile_dir is not None:
             self.env["OMNIFLEET_BENCH_PROFILE"] = str(profile_dir)
+        from omnifleet_operator.curvekeys import pipeline_keys, write_key_files
+
+        # The pipeline's keys, as the operator's Secret gives them to pods.
+        self.env["OMNIFLEET_KEYS_DIR"] = str(write_key_files(self.dir / "keys", pipeline_keys()))
         self.env.update(env or {})
 
     def __enter__(self) -> "Fleet":
@@ -361,14 +369,15 @@ class Fleet:
 
     def start_master(self) -> None:
         args = ["master", "--config", str(self.config), "--host", "127.0.0.1", "--api-port", str(self.api_port),
-                "--control-port", str(self.control_port), "--log-level", "warning"]
-        self.procs["master"] = Proc("master", args, self.env, self.dir / "master.log")
+                "--control-port", str(self.control_port), "--admin-port", str(self.admin_port), "--log-level", "warning"]
+        self.procs["master"] = Proc("master", args, {**self.env, "OMNIFLEET_ADMIN_TOKEN": self.admin_token},
+                                    self.dir / "master.log")
 
     def start_pod(self, pod: str, *stages: str) -> None:
         self.pod_stages[pod] = list(stages)
         args = ["stage", "--config", str(self.config), "--master", f"127.0.0.1:{self.control_port}",
                 "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--data-port", "0",
-                "--health-port", str(free_port()), "--log-level", "warning"]
+                "--health-port", str(free_port()), "--metrics-port", str(free_port()), "--log-level", "warning"]
         for s in stages:
             args += ["--stage", s]
         self.procs[pod] = Proc(pod, args, {**self.env, "OMNIFLEET_POD_NAME": pod}, self.dir / f"{pod}.log")
@@ -377,8 +386,11 @@ class Fleet:
         import urllib.error
         import urllib.request
 
+        admin = path.startswith("/v1/stages")  # the admin port's endpoints
+        req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port if admin else self.api_port}{path}",
+                                     headers={"Authorization": f"Bearer {self.admin_token}"} if admin else {})
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.api_port}{path}", timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=10) as r:
                 raw, status = r.read(), r.status
         except urllib.error.HTTPError as e:
             raw, status = e.read(), e.code
@@ -475,8 +487,54 @@ def today() -> str:
     return dt.date.today().isoformat()
 
 
-def merge_latest(out_dir: Path, key: str, values: dict[str, Any]) -> Path:
-    """Set latest.json[key] = values, keeping every other key."""
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+
+
+def provenance(section: str, ref: str | None = None) -> dict[str, Any]:
+    """What a results section measured: the commit (full hash), the code it measures (bench.goals MEASURES)
+    that had uncommitted changes, and the date. Taken before the run starts. `ref`: the runtime ran from
+    that commit (use_runtime_ref), not from the working tree."""
+    from .goals import MEASURES
+
+    paths = list(MEASURES[section])
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", *paths).splitlines() if line.strip()]
+    if ref not in (None, "", "worktree"):
+        dirty = [p for p in dirty if not p.startswith(("runtime/", "operator/"))]  # those ran from the ref
+    return {"commit": git("rev-parse", ref if ref not in (None, "", "worktree") else "HEAD"), "dirty": dirty,
+            "measures": paths, "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def provenance_of_results(section: str, facts: dict[str, Any], source: str) -> dict[str, Any]:
+    """The provenance of a section rebuilt from an earlier run's results JSON: the commit its facts name
+    (None when they name none: the section then reads as stale), uncommitted changes unknown (None)
+    unless the facts say the code measured was a clean git export."""
+    from .goals import MEASURES
+
+    commit = None
+    if facts.get("commit"):
+        try:
+            commit = git("rev-parse", "--verify", f"{facts['commit']}^{{commit}}")
+        except subprocess.CalledProcessError:
+            commit = None
+    measured = str(facts.get("runtime measured") or facts.get("operator code") or "")
+    dirty: list[str] | None = None
+    if measured.startswith("git "):
+        dirty = []
+    elif measured.startswith("working tree"):
+        dirty = re.findall(r"[\w./-]+\.py", measured) if "uncommitted" in measured else []
+    return {"commit": commit, "dirty": dirty, "measures": list(MEASURES[section]), "date": facts.get("date"),
+            "rebuilt_from": source}
+
+
+def machine_line(facts: dict[str, Any]) -> str:
+    return f"{facts.get('cpu')} x{facts.get('cores_usable', facts.get('cores'))}, {facts.get('memory_gib')} GiB"
+
+
+def merge_latest(out_dir: Path, key: str, values: dict[str, Any], prov: dict[str, Any]) -> Path:
+    """Set latest.json[key] = values + {"provenance": prov}, keeping every other section. The only writer
+    of latest.json: every benchmark goes through here."""
     path = out_dir / "latest.json"
     try:
         data = json.loads(path.read_text())
@@ -484,7 +542,7 @@ def merge_latest(out_dir: Path, key: str, values: dict[str, Any]) -> Path:
             data = {}
     except (OSError, ValueError):
         data = {}
-    data[key] = values
+    data[key] = {**values, "provenance": prov}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)

@@ -174,7 +174,7 @@ def node_manifest(name: str) -> dict[str, Any]:
 
 
 def start_cluster(state_dir: Path, n: int, ns_count: int) -> DevCluster:
-    c = DevCluster(state_dir, timeout=120)
+    c = DevCluster(state_dir, timeout=120, owned=True)
     c.up()
     nodes = [node_manifest(f"gpu-{i}") for i in range(nodes_for(n))]
     c.kubectl("create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}),
@@ -519,7 +519,7 @@ async def direct_phase(n: int, cfg: argparse.Namespace, docs: list[dict], render
         watches = [asyncio.create_task(dw.run())]
         await asyncio.sleep(1.0)
         admin = async_client(c.kubeconfig, BENCH_FIELD_MANAGER)
-        api = Api(async_client(sa_kc, C.FIELD_MANAGER))
+        api = Api(async_client(sa_kc, C.FIELD_MANAGER), applies_in_flight=cfg.workers)
         queue: asyncio.Queue = asyncio.Queue()
 
         def on_created(d: dict, uid: str) -> None:
@@ -792,10 +792,10 @@ def headline(results: list[dict]) -> dict[str, Any]:
     for n in sizes_of(results):
         rs = rounds_of(results, n)
         h[f"operator_over_direct_children_N{n}"] = headline_ratio(results, n)[0]
-        if len(rs) > 1:
-            h[f"operator_over_direct_children_rounds_N{n}"] = [round_ratio(r) for r in rs]
-            h[f"outside_load_cores_rounds_N{n}"] = [[outside_load(r.get(p) or {}) for p in ("operator", "direct")]
-                                                   for r in rs]
+        h[f"operator_over_direct_children_rounds_N{n}"] = [round_ratio(r) for r in rs]
+        h[f"outside_load_cores_rounds_N{n}"] = [[outside_load(r.get(p) or {}) for p in ("operator", "direct")]
+                                               for r in rs]
+        h[f"op_peak_rss_mib_rounds_N{n}"] = [(r.get("operator") or {}).get("op_peak_rss_mib") for r in rs]
         used, how = headline_rounds(results, n)
         h[f"headline_rounds_N{n}"] = how
         h[f"operator_children_s_N{n}"] = med(used, n, "operator", "t_children_s")
@@ -1000,19 +1000,10 @@ def write_report(results: list[dict], cfg: argparse.Namespace, facts: dict, per_
 
 
 
-def merge_latest(results: list[dict], cfg: argparse.Namespace, facts: dict, report: Path) -> None:
-    latest = cfg.results / "latest.json"
-    try:
-        data = json.loads(latest.read_text())
-    except (OSError, ValueError):
-        data = {}
-    h = headline(results)
-    h = {k: v for k, v in h.items() if v is not None}
-    h.update({"date": facts["date"], "report": report.name,
-              "machine": f"{facts.get('cpu')} x{facts.get('cores')} (shared), {facts.get('memory_gib')} GiB",
-              "goal_operator_over_direct_children_N1000": 1.25, "goal_idle_writes": 0})
-    data["control_plane"] = dict(sorted(h.items()))
-    latest.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+def merge_latest(results: list[dict], cfg: argparse.Namespace, facts: dict, report: Path, prov: dict) -> None:
+    h = {k: v for k, v in headline(results).items() if v is not None}
+    h.update({"report": report.name, "machine": f"{common.machine_line(facts)} (shared)"})
+    common.merge_latest(cfg.results, "control_plane", h, prov)
 
 
 # ---------------------------------------------------------------- main
@@ -1131,11 +1122,13 @@ def main(argv: list[str] | None = None) -> int:
         per_pipeline = len(next(iter(prerender(pipeline_docs(1)).values())))
         report = write_report(results, cfg, facts, per_pipeline, time.time())
         if not cfg.quick and not cfg.no_latest:
-            merge_latest(results, cfg, facts, report)
+            merge_latest(results, cfg, facts, report,
+                         common.provenance_of_results("control_plane", facts, ",".join(p.name for p in paths)))
         log(f"report: {report}")
         return 0
 
     build.ensure_binaries(verbose=True)
+    prov = common.provenance("control_plane")
     facts = common.machine_facts()
     facts["command"] = " ".join([".venv/bin/python -m bench.control_plane"] + argv)
     facts["resync_s"] = cfg.resync
@@ -1190,7 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps({"facts": facts, "results": results}, indent=1, default=str))
     report = write_report(results, cfg, facts, per_pipeline, started)
     if not cfg.quick and not cfg.no_latest:
-        merge_latest(results, cfg, facts, report)
+        merge_latest(results, cfg, facts, report, prov)
     log(f"report: {report}")
     for k, v in headline(results).items():
         if "over" in k or "idle" in k:

@@ -1035,6 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"{C.today()}-data-plane" + ("-quick" if args.quick else "")
     t_start = time.monotonic()
     C.use_runtime_ref(args.runtime)
+    prov = C.provenance("data_plane", args.runtime)
     res: dict[str, Any] = {"facts": C.machine_facts(), "mode": "quick" if args.quick else "full",
                            "config": {k: v for k, v in cfg.items()}}
     C.log(f"machine: {res['facts']}")
@@ -1059,7 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stem}.md").write_text(report(res, cfg, args.quick, files))
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     latest = C.merge_latest(args.out, "data_plane_quick" if args.quick else "data_plane",
-                            {**h, "date": res["facts"]["date"], "report": f"{stem}.md"})
+                            {**h, "report": f"{stem}.md", "machine": C.machine_line(res["facts"])}, prov)
     C.log(f"done in {res['elapsed_s']:.0f} s: {args.out / (stem + '.md')}, {latest}")
     print(json.dumps(h, indent=1))
     return 0

@@ -529,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run_cpu and args.sizes == p.get_default("sizes"):
         args.sizes, args.max_iters, args.budget_bytes = "1MiB,8MiB,32MiB", 5, "64MiB"
     t0 = time.monotonic()
+    prov = C.provenance("gpu_boundary")
     res = run(args)
     res["elapsed_s"] = time.monotonic() - t0
     summ = summarize(res)
@@ -537,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"{stem}.md").write_text(report(res, summ, args.dry_run_cpu))
     (args.out / f"{stem}.json").write_text(json.dumps({**res, "summary": summ}, indent=1, default=str) + "\n")
     C.merge_latest(args.out, "gpu_boundary_dry_run_cpu" if args.dry_run_cpu else "gpu_boundary",
-                   {**summ["headline"], "date": res["facts"]["date"], "report": f"{stem}.md"})
+                   {**summ["headline"], "report": f"{stem}.md",
+                    "machine": f"{res['facts'].get('gpu', 'no GPU')}, {C.machine_line(res['facts'])}"}, prov)
     C.log(f"done in {res['elapsed_s']:.0f} s: {args.out / (stem + '.md')}")
     print(json.dumps(summ["headline"], indent=1))
     return 0

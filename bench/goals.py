@@ -1,0 +1,109 @@
+"""The benchmark goals, in one place: which latest.json figure each goal reads, its limit, and the code
+each results section measures (a section older than that code is stale).
+
+bench.readme renders the README's table from these and latest.json; the benchmarks use the same
+goal values in their own reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# latest.json section -> the paths whose code it measures (a commit touching any of them after the
+# section's commit makes the section stale).
+MEASURES: dict[str, tuple[str, ...]] = {
+    "control_plane": ("operator/omnifleet_operator", "runtime/omnifleet_runtime/schema.py",
+                      "bench/control_plane.py", "bench/cp_direct.py", "bench/cp_operator.py"),
+    "data_plane": ("runtime/omnifleet_runtime", "bench/data_plane.py", "bench/raw.py", "bench/wrapper.py"),
+    "gpu_boundary": ("runtime/omnifleet_runtime/wire.py", "bench/gpu_boundary.py"),
+    "wire_security": ("runtime/omnifleet_runtime", "bench/wire_security.py", "bench/data_plane.py"),
+    "vllm_pipeline": ("runtime/omnifleet_runtime", "bench/vllm_pipeline.py", "bench/wrapper.py"),
+}
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class Goal:
+    figure: str  # what the README's table calls it
+    section: str  # latest.json section
+    keys: tuple[str, ...]  # the figure is the worst of these (one key: that key)
+    op: str  # "<=" or ">="
+    limit: float
+    unit: str = "x"
+    why_missed: str = ""  # the profile or measurement that says why, shown while the goal is missed
+    label: dict[str, str] = field(default_factory=dict)  # key -> how the table names it ("64MiB", "N=10")
+
+    def text(self) -> str:
+        return f"{self.op} {self.limit:g}{'' if self.unit == 'x' else ' '}{self.unit}"
+
+    def met(self, value: float) -> bool:
+        return value <= self.limit if self.op == "<=" else value >= self.limit
+
+    def verdict(self, value: float) -> str:
+        return "meets" if self.met(value) else "misses"
+
+    def worst(self, values: dict[str, float]) -> tuple[str, float]:
+        """(key, value) of the worst measured key."""
+        pick = max if self.op == "<=" else min
+        k = pick(values, key=lambda k: values[k])
+        return k, values[k]
+
+
+def _sizes(prefix: str, sizes: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
+    keys = tuple(f"{prefix}{s}" for s in sizes)
+    return keys, {k: s.replace("MiB", " MiB").replace("GiB", " GiB") for k, s in zip(keys, sizes)}
+
+
+_GPU_SIZES = ("16MiB", "64MiB", "256MiB", "1GiB")
+_IPC_KEYS, _IPC_LABEL = _sizes("wire_boundary_time_over_cuda_ipc_", _GPU_SIZES)
+_LINK_KEYS, _LINK_LABEL = _sizes("boundary_pipelined_over_slowest_link_", _GPU_SIZES)
+_TCP_KEYS, _TCP_LABEL = _sizes("bulk_tcp_over_raw_tcp_", ("16MiB", "64MiB", "256MiB"))
+_SHM_KEYS, _SHM_LABEL = _sizes("bulk_shm_over_raw_tcp_", ("16MiB", "64MiB", "256MiB"))
+_CURVE_KEYS, _CURVE_LABEL = _sizes("bulk_curve_over_plain_", ("16MiB", "64MiB", "256MiB"))
+_CP_PROFILES = "bench/results/2026-11-30-control-plane-profiles"
+
+GOALS: tuple[Goal, ...] = (
+    Goal("per hop through the HTTP API / raw ZMQ round trip", "data_plane", ("per_hop_http_over_raw_zmq_rtt",),
+         "<=", 2.0, why_missed="the master's and stages' asyncio/pyzmq layering per message "
+         "(bench/results/2026-11-30-data-plane-profiles)"),
+    Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
+         "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
+    Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
+         why_missed="a page fault per received page: glibc maps each large frame afresh (the malloc experiment "
+         "in the same report keeps freed memory and comes closer)"),
+    Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
+         1.5, label=_SHM_LABEL, why_missed="a fresh file mapped and faulted in per transfer, and a copy on each side"),
+    Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
+         "<=", 1.2, why_missed="the master's CPU per request grows with the memory traffic on the machine "
+         "(the same report measures 1 KiB requests under the same traffic)"),
+    Goal("co-located GPU stages: wire boundary / CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary", _IPC_KEYS,
+         "<=", 2.0, label=_IPC_LABEL, why_missed="the runtime has no CUDA IPC path: a tensor crosses the wire"),
+    Goal("GPU stages in two pods: boundary / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary", _LINK_KEYS,
+         ">=", 0.8, label=_LINK_LABEL, why_missed="D2H, wire and H2D are not overlapped at the smaller sizes"),
+    Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
+         "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
+         why_missed="one CurveZMQ connection encrypts on one libzmq I/O thread; 4 MiB frames barely help (the "
+         "same report); parallel connections per peer, the remaining lever, are not built"),
+    Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
+         ("pipeline_over_direct_tok_s",), ">=", 0.9,
+         why_missed="the rounds spread widely: the report records the other load on this shared machine per side"),
+    Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
+         ("ttfa_over_upstream_ttft_plus_hop",), "<=", 1.5),
+    *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
+           (f"operator_over_direct_children_N{n}",), "<=", 1.25,
+           why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
+           "takes CPU from the apiserver on the same 2 cores; the report's outside-load column says which rounds "
+           "other work on the machine disturbed")
+      for n in (10, 100, 1000)),
+    Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
+         why_missed="the watch caches' copies of every child, kopf's memory of each watched object, and the "
+         "process's own base (the report's RSS before the apply)"),
+    Goal("operator writes on an idle resync", "control_plane",
+         tuple(f"idle_writes_N{n}" for n in (10, 100, 1000)), "<=", 0, unit="writes",
+         label={f"idle_writes_N{n}": f"N={n}" for n in (10, 100, 1000)}),
+)
+
+
+def by_key(section: str, key: str) -> Goal:
+    return next(g for g in GOALS if g.section == section and key in g.keys)

@@ -1,0 +1,166 @@
+"""What CurveZMQ costs on the data plane: `dataPlane: curve` against `plain-auth`, in one run.
+
+    .venv/bin/python -m bench.wire_security [--quick] [--out DIR]
+
+Both modes run side by side on real processes on loopback (a master and stage
+pods, as `omnifleet master|stage` run them), in interleaved rounds so the drift
+of a shared machine hits both alike. `plain-auth` is the data plane without
+encryption (ZMQ PLAIN with the pipeline's token): the opt-out, and the limit
+here. The control port uses CurveZMQ in both.
+
+1. Bulk: a producer stage returns N bytes, a consumer stage in another pod
+   touches every page (bench.fns:produce/consume); the boundary time is stamped
+   inside the stages. One buffer, and the same bytes in 4 MiB frames.
+   Ratio = throughput(curve) / throughput(plain-auth), goal >= 0.5.
+2. Per-hop latency: chains of 1 and 3 no-op stages; per hop =
+   (p50(3 stages) - p50(1 stage)) / 2 over HTTP. Ratio = curve / plain-auth.
+
+Writes bench/results/<date>-wire-security[-quick].md and .json, and merges the
+headline ratios into bench/results/latest.json under "wire_security" (quick:
+"wire_security_quick"). No timing assertions: it prints numbers and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import common as C
+from .data_plane import bulk_requests, chain, http_sequential, summarize
+
+MIB = 1 << 20
+MODES = ("curve", "plain-auth")
+FULL = dict(sizes=[16 * MIB, 64 * MIB, 256 * MIB], chunk=4 * MIB, reps=8, rounds=3, time_s=30.0,
+            lat_n=600, lat_warmup=20, lat_rounds=3, lat_time_s=20.0)
+QUICK = dict(sizes=[16 * MIB, 64 * MIB], chunk=4 * MIB, reps=4, rounds=2, time_s=10.0,
+             lat_n=150, lat_warmup=10, lat_rounds=2, lat_time_s=10.0)
+
+
+def spec(mode: str) -> dict[str, Any]:
+    return {"security": {"dataPlane": mode}}
+
+
+def bulk_fleet(mode: str) -> C.Fleet:
+    producer = {"name": "producer", "type": "python", "entrypoint": "bench.fns:produce"}
+    consumer = {"name": "consumer", "type": "python", "entrypoint": "bench.fns:consume",
+                "inputs": ["producer"], "finalOutput": "text"}
+    fleet = C.Fleet(f"bulk-{mode}", [producer, consumer], spec=spec(mode))
+    fleet.start_master()
+    fleet.start_pod("prod", "producer")
+    fleet.start_pod("cons", "consumer")
+    fleet.wait_ready()
+    return fleet
+
+
+def chain_fleet(mode: str, n: int) -> C.Fleet:
+    fleet = C.Fleet(f"{n}x-{mode}", chain(n, "anoop"), spec=spec(mode))
+    fleet.start_master()
+    for i in range(1, n + 1):
+        fleet.start_pod(f"p{i}", f"s{i}")
+    fleet.wait_ready()
+    return fleet
+
+
+def run_bulk(cfg: dict) -> dict[str, Any]:
+    C.log("== bulk, two pods, curve vs plain-auth")
+    samples = {m: {(s, c): [] for s in cfg["sizes"] for c in (0, cfg["chunk"])} for m in MODES}
+    fleets = {}
+    try:
+        for m in MODES:
+            fleets[m] = bulk_fleet(m)
+        for r in range(cfg["rounds"]):
+            for size in cfg["sizes"]:
+                for chunk in (0, cfg["chunk"]):
+                    for m in MODES:
+                        got = bulk_requests(fleets[m], size, chunk, cfg["reps"], cfg["time_s"])
+                        samples[m][(size, chunk)] += got["boundary"]
+            C.log(f"round {r + 1}/{cfg['rounds']} done")
+    finally:
+        for f in fleets.values():
+            f.stop()
+    rows = []
+    for size in cfg["sizes"]:
+        for chunk in (0, cfg["chunk"]):
+            t = {m: C.pct(samples[m][(size, chunk)], 50) for m in MODES}
+            rows.append({"size": size, "chunk": chunk, "reps": len(samples["curve"][(size, chunk)]),
+                         **{f"{m}_p50_s": t[m] for m in MODES},
+                         **{f"{m}_gib_s": size / t[m] / (1 << 30) for m in MODES},
+                         "ratio": t["plain-auth"] / t["curve"]})
+            C.log(f"{C.fmt_size(size)} {'frames ' + C.fmt_size(chunk) if chunk else 'one buffer'}: "
+                  f"curve {rows[-1]['curve_gib_s']:.2f} GiB/s, plain-auth {rows[-1]['plain-auth_gib_s']:.2f} GiB/s, "
+                  f"ratio {rows[-1]['ratio']:.2f}")
+    return {"rows": rows}
+
+
+def run_latency(cfg: dict) -> dict[str, Any]:
+    C.log("== per-hop latency, curve vs plain-auth")
+    lat = {(m, n): [] for m in MODES for n in (1, 3)}
+    fleets = {}
+    per_round = max(1, cfg["lat_n"] // cfg["lat_rounds"])
+    try:
+        for m in MODES:
+            for n in (1, 3):
+                fleets[(m, n)] = chain_fleet(m, n)
+        for r in range(cfg["lat_rounds"]):
+            for key, fleet in fleets.items():
+                lat[key] += http_sequential(fleet, "x" * 64, per_round, cfg["lat_warmup"], cfg["lat_time_s"])["lat"]
+            C.log(f"round {r + 1}/{cfg['lat_rounds']} done")
+    finally:
+        for f in fleets.values():
+            f.stop()
+    out = {f"{m}_{n}": summarize(lat[(m, n)]) for m in MODES for n in (1, 3)}
+    hop = {m: (out[f"{m}_3"]["p50"] - out[f"{m}_1"]["p50"]) / 2 for m in MODES}
+    out["per_hop_s"] = hop
+    out["ratio"] = hop["curve"] / hop["plain-auth"]
+    C.log(f"per hop: curve {hop['curve'] * 1e6:.0f} us, plain-auth {hop['plain-auth'] * 1e6:.0f} us, "
+          f"ratio {out['ratio']:.2f}")
+    return out
+
+
+def report(res: dict, quick: bool) -> str:
+    lines = [f"# Wire security benchmark{' (quick)' if quick else ''}, {C.today()}", "",
+             "CurveZMQ (`dataPlane: curve`) against the data plane without encryption (`plain-auth`), same run, "
+             "interleaved rounds. Two pods on loopback; control port CurveZMQ in both.", "",
+             C.facts_table(C.machine_facts()), "", "## Bulk (boundary time, p50)", ""]
+    lines.append(C.md_table(
+        ["size", "framing", "curve GiB/s", "plain-auth GiB/s", "curve / plain-auth (goal >= 0.5)", "reps"],
+        [[C.fmt_size(r["size"]), f"{C.fmt_size(r['chunk'])} frames" if r["chunk"] else "one buffer",
+          f"{r['curve_gib_s']:.2f}", f"{r['plain-auth_gib_s']:.2f}", f"{r['ratio']:.2f}", r["reps"]]
+         for r in res["bulk"]["rows"]]))
+    lat = res["latency"]
+    lines += ["", "## Per-hop latency (HTTP, p50)", "", C.md_table(
+        ["", "curve", "plain-auth"],
+        [["1 stage", f"{lat['curve_1']['p50'] * 1e6:.0f} us", f"{lat['plain-auth_1']['p50'] * 1e6:.0f} us"],
+         ["3 stages", f"{lat['curve_3']['p50'] * 1e6:.0f} us", f"{lat['plain-auth_3']['p50'] * 1e6:.0f} us"],
+         ["per hop", f"{lat['per_hop_s']['curve'] * 1e6:.0f} us", f"{lat['per_hop_s']['plain-auth'] * 1e6:.0f} us"],
+         ["ratio curve / plain-auth", f"{lat['ratio']:.2f}", ""]])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.wire_security", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small counts: a smoke run of a few minutes")
+    p.add_argument("--out", type=Path, default=C.RESULTS, help="results folder (default: %(default)s)")
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    prov = C.provenance("wire_security")
+    res = {"bulk": run_bulk(cfg), "latency": run_latency(cfg), "config": cfg, "facts": C.machine_facts()}
+    stem = f"{C.today()}-wire-security{'-quick' if args.quick else ''}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(report(res, args.quick))
+    # Flat keys, one per size and framing, as bench/goals.py names them.
+    by_size = {f"bulk_curve_over_plain{'_frames' if r['chunk'] else ''}_{r['size'] >> 20}MiB": round(r["ratio"], 3)
+               for r in res["bulk"]["rows"]}
+    C.merge_latest(args.out, "wire_security_quick" if args.quick else "wire_security",
+                   {**by_size, "per_hop_curve_over_plain": round(res["latency"]["ratio"], 3),
+                    "report": f"{stem}.md"}, prov)
+    print(report(res, args.quick))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
