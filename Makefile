@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup run test test-unit test-golden-update crd images clean
+.PHONY: setup run test test-gpu test-unit test-golden-update crd images clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: setup
 images: setup
 	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_cpu
 	$(BIN)/omnifleet dev images
+
+# The GPU suite (tests/gpu): torch stages on CUDA; on a machine with a GPU, where the default run leaves it out.
+test-gpu: setup
+	OMNIFLEET_GPU_TESTS=1 $(BIN)/python -m pytest -q tests/gpu
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit tests/golden

@@ -182,7 +182,7 @@ class StageMetrics:
         self.chunks = Counter("omnifleet_worker_output_chunks_total", "Output chunks produced.", s, r)
         self.bytes_out = Counter(
             "omnifleet_worker_sent_bytes_total",
-            "Payload bytes sent, by route (a downstream stage, or master) and path (tcp, shm).",
+            "Payload bytes sent, by route (a downstream stage, or master) and path (tcp, shm, cuda_ipc).",
             s + ("route", "path"), r)
         self.bytes_in = Counter("omnifleet_worker_received_bytes_total",
                                 "Bytes that arrived on the data port, by upstream stage.", s + ("src",), r)

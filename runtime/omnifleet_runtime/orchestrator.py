@@ -39,6 +39,8 @@ from .validate import topological_order
 
 log = logging.getLogger("omnifleet.orchestrator")
 
+# Stage types whose engine takes a CUDA tensor by IPC handle from a co-located upstream (wire.CudaIpc).
+CUDA_IPC_TYPES = frozenset({"torch"})
 EVENTS_MAX = 4096  # final-output chunks queued for one client before the request is failed
 
 
@@ -163,7 +165,8 @@ class Orchestrator:
             span = run.spans[name] = tracing.start(f"stage {name}", run.span, {
                 "omnifleet.stage": name, "omnifleet.replica": rep.replica, "omnifleet.attempt": run.attempt})
             routes = [
-                wire.Route(d, plan[d].replica, plan[d].data_addr, local=plan[d].replica == rep.replica)
+                wire.Route(d, plan[d].replica, plan[d].data_addr, local=plan[d].replica == rep.replica,
+                           cuda_ipc=plan[d].replica == rep.replica and self.spec.stage(d).type in CUDA_IPC_TYPES)
                 for d in self.downstream[name] if d in plan
             ]
             self.send(rep.identity, wire.Dispatch(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import os
 import signal
 import socket
@@ -80,6 +81,19 @@ def start_watchdog(stage: str, timeout_s: float) -> threading.Event:
 
     threading.Thread(target=watch, name="engine-start-watchdog", daemon=True).start()
     return started
+
+
+def ipc_nbytes(value: Any) -> int:
+    """Bytes of the CUDA tensors a value hands over by IPC handle."""
+    n = 0
+
+    def leaf(v: Any) -> None:
+        nonlocal n
+        if isinstance(v, wire.CudaIpc):
+            n += math.prod(v.shape) * wire.DTYPE_SIZES[v.dtype]
+
+    wire.walk(value, leaf)
+    return n
 
 
 def descendants(pid: int) -> list[int]:
@@ -170,7 +184,7 @@ class StageWorker:
         self.pending: OrderedDict[tuple[str, int], list[tuple[float, wire.Data]]] = OrderedDict()
         self.peers: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
         self.shm_prefix = shm.pod_prefix(replica)
-        self.bytes = {"tcp": 0, "shm": 0, "master": 0}
+        self.bytes = {"tcp": 0, "shm": 0, "cuda_ipc": 0, "master": 0}
         self.queued = 0
         self.slots: asyncio.Semaphore | None = None
         self.master: zmq.asyncio.Socket | None = None
@@ -467,10 +481,16 @@ class StageWorker:
             self._drop_pending(items)
         self.pending.clear()
 
+    def _discard(self, payload: Any) -> None:
+        """A payload nobody will read: its shared-memory files and the CUDA memory it hands over go."""
+        shm.discard(payload, self.shm_prefix)
+        if self.engine is not None:
+            self.engine.release(payload)
+
     def _drop_pending(self, items: list[tuple[float, wire.Data]]) -> None:
         """Early data dropped unread: its shared-memory files go with it."""
         for _, data in items:
-            shm.discard(data.payload, self.shm_prefix)
+            self._discard(data.payload)
 
     # ------------------------------------------------------------ requests
 
@@ -512,7 +532,7 @@ class StageWorker:
     def _feed(self, job: Job, data: wire.Data) -> None:
         if data.src not in job.waiting:
             log.warning("request %s: ignored data from %r (not an open input)", data.request_id, data.src)
-            shm.discard(data.payload, self.shm_prefix)
+            self._discard(data.payload)
             return
         try:
             if data.eof:
@@ -528,7 +548,7 @@ class StageWorker:
             else:
                 job.whole[data.src].append(payload)
         except Exception as e:
-            shm.discard(data.payload, self.shm_prefix)
+            self._discard(data.payload)
             job.waiting.clear()  # the rest of this request's data is ignored (and discarded) as it comes
             job.inputs.put_nowait(RuntimeError(f"input processor failed: {type(e).__name__}: {e}"))
 
@@ -611,28 +631,39 @@ class StageWorker:
             seconds = audio_seconds(out)
             job.audio_s += seconds
             m.audio_seconds.inc(seconds, stage=stage)
+        # Device memory (CUDA tensors) leaves as IPC handles on routes that take them, as host copies on
+        # the others; each form is made once per chunk.
+        host = await self.engine.export(out, cuda_ipc=False) if msg.final or not all(
+            r.cuda_ipc for r in msg.routes) else None
+        ipc = await self.engine.export(out, cuda_ipc=True) if any(r.cuda_ipc for r in msg.routes) else None
         remote = None  # one encoding serves every route over the network
         for route in msg.routes:
+            value = ipc if route.cuda_ipc else host
             if route.local:
-                payload, moved = shm.offload(out, self.shm_prefix)
+                payload, moved = shm.offload(value, self.shm_prefix)
                 self.bytes["shm"] += moved
                 m.bytes_out.inc(moved, stage=stage, route=route.stage, path="shm")
+                handed = ipc_nbytes(payload) if route.cuda_ipc else 0
+                if handed:
+                    self.bytes["cuda_ipc"] += handed
+                    m.bytes_out.inc(handed, stage=stage, route=route.stage, path="cuda_ipc")
                 frames = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, payload))
                 m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
-                self._transfer(job, route.stage, "shm", moved + wire.frames_nbytes(frames))
+                self._transfer(job, route.stage, "cuda_ipc" if handed else "shm",
+                               handed + moved + wire.frames_nbytes(frames))
                 try:
                     await self._send_peer(route, frames)
                 except BaseException:  # not sent (failed, or the job was aborted meanwhile): nobody will read it
-                    shm.discard(payload, self.shm_prefix)
+                    self._discard(payload)
                     raise
                 continue
             frames = remote = remote or wire.encode(
-                wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, out))
+                wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, host))
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
             self._transfer(job, route.stage, "tcp", wire.frames_nbytes(frames))
             await self._send_peer(route, frames)
         if msg.final:
-            frames = wire.encode(wire.Output(msg.request_id, msg.attempt, self.stage.name, seq, out))
+            frames = wire.encode(wire.Output(msg.request_id, msg.attempt, self.stage.name, seq, host))
             self.bytes["master"] += wire.frames_nbytes(frames)
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route="master", path="tcp")
             self._transfer(job, "master", "tcp", wire.frames_nbytes(frames))
@@ -648,8 +679,8 @@ class StageWorker:
             span = tracing.start(f"transfer {self.stage.name}->{route}", job.span, {
                 "omnifleet.route": route, "omnifleet.transport": transport})
             t = job.transfers[route] = [span, 0, 0]
-        elif transport == "shm":  # a chunk too small for shared memory does not change the route's transport
-            t[0].set_attribute("omnifleet.transport", "shm")
+        elif transport != "tcp":  # a chunk too small for shared memory does not change the route's transport
+            t[0].set_attribute("omnifleet.transport", transport)
         t[1] += nbytes
         t[2] += 1
 

@@ -29,6 +29,7 @@ INLINE_MAX = 1024
 EXT_BLOB = 1  # header: [frame index]
 EXT_ARRAY = 2  # header: [frame index, dtype, shape]
 EXT_SHM = 3  # header: [name, size, dtype | None, shape | None]
+EXT_CUDA_IPC = 4  # header: the fields of CudaIpc, in order
 
 # Element sizes of the array dtypes the wire accepts (no numpy needed to check them).
 DTYPE_SIZES = {
@@ -63,6 +64,50 @@ class ShmRef(msgspec.Struct, frozen=True):
     size: int
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+
+
+class CudaIpc(msgspec.Struct, frozen=True, array_like=True):
+    """A CUDA tensor a co-located stage hands over by its CUDA IPC handle; only the handle travels.
+
+    The fields are what torch's own CUDA tensor sharing passes between processes (plain values, never
+    pickled): the allocation's handle, the storage's place in it, the producer's reference counter
+    (the producer keeps the memory until the consumer lets its tensor go) and the event the consumer
+    waits on before reading.
+    """
+
+    device: int
+    handle: bytes
+    storage_size: int  # bytes
+    storage_offset: int  # bytes into the allocation
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync: bool
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # elements into the storage
+
+    def check(self) -> "CudaIpc":
+        """Itself, or ValueError naming what cannot describe a tensor inside its storage."""
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"cuda ipc: unknown dtype {self.dtype!r}")
+        ints = (self.device, self.storage_size, self.storage_offset, self.ref_counter_offset, self.offset,
+                *self.shape, *self.stride)
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
+            raise ValueError("cuda ipc: a negative or non-integer size, offset, shape or stride")
+        if len(self.shape) != len(self.stride) or not 0 < len(self.handle) <= 256 \
+                or not 0 < len(self.ref_counter_handle) <= 256:
+            raise ValueError("cuda ipc: shape and stride differ in length, or a handle is empty or too long")
+        if self.shape and math.prod(self.shape):
+            last = self.offset + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+            if (last + 1) * DTYPE_SIZES[self.dtype] > self.storage_size:
+                raise ValueError(f"cuda ipc: a {self.dtype}{list(self.shape)} tensor does not fit its "
+                                 f"{self.storage_size}-byte storage")
+        return self
+
+
+_cuda_ipc_decoder = msgspec.msgpack.Decoder(CudaIpc)
 
 
 def walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -112,6 +157,7 @@ class Route(msgspec.Struct):
     replica: str
     addr: str
     local: bool = False  # same pod: bulk data goes through shared memory
+    cuda_ipc: bool = False  # same pod and a consumer that takes CUDA tensors: they go by IPC handle
 
 
 # stage -> master (control socket)
@@ -251,6 +297,8 @@ def encode(msg: Msg) -> list[Any]:
                 raise ValueError(f"array of {v.dtype}{list(v.shape)} has {view.nbytes} bytes")
             frames.append(view)
             return msgspec.msgpack.Ext(EXT_ARRAY, _header_encoder.encode([len(frames) - 1, v.dtype, list(v.shape)]))
+        if isinstance(v, CudaIpc):
+            return msgspec.msgpack.Ext(EXT_CUDA_IPC, _header_encoder.encode(v))
         if isinstance(v, ShmRef):
             shape = None if v.shape is None else list(v.shape)
             return msgspec.msgpack.Ext(EXT_SHM, _header_encoder.encode([v.name, v.size, v.dtype, shape]))
@@ -277,6 +325,11 @@ _local = threading.local()
 
 def _ext_hook(code: int, data: memoryview) -> Any:
     frames, used = _local.frames, _local.used
+    if code == EXT_CUDA_IPC:
+        try:
+            return _cuda_ipc_decoder.decode(data).check()
+        except msgspec.ValidationError as e:
+            raise ValueError(f"cuda ipc: {e}") from None
     header = msgspec.msgpack.decode(data)
     if not isinstance(header, list):
         raise ValueError(f"ext {code}: header is not a list")
@@ -344,7 +397,7 @@ def frames_nbytes(frames: list[Any]) -> int:
 
 
 __all__ = [
-    "PROTOCOL_VERSION", "WireError", "Array", "ShmRef", "RequestInfo", "Route", "Message",
+    "PROTOCOL_VERSION", "WireError", "Array", "ShmRef", "CudaIpc", "RequestInfo", "Route", "Message",
     "Register", "StageHeartbeat", "Output", "Done", "ControlReply", "Deregister",
     "RegisterReply", "MasterHeartbeat", "Reset", "Dispatch", "Abort", "Control", "Data",
     "encode", "decode", "walk", "peek_register_version",

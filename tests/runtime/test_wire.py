@@ -120,3 +120,46 @@ def test_a_register_of_another_layout_still_shows_its_version():
         pass
     assert wire.peek_register_version(future) == 2
     assert wire.peek_register_version(b"\xc1") is None
+
+
+def ipc(**over):
+    fields = dict(device=0, handle=b"h" * 64, storage_size=4096, storage_offset=512, ref_counter_handle=b"/rc",
+                  ref_counter_offset=3, event_handle=b"e" * 64, event_sync=True, dtype="float32",
+                  shape=(4, 8), stride=(8, 1), offset=16)
+    return wire.CudaIpc(**{**fields, **over})
+
+
+def test_a_cuda_ipc_handle_round_trips_inline_with_no_frame():
+    frames = wire.encode(wire.Data("r", 0, "producer", 0, {"x": ipc(), "t": 1.5}))
+    assert len(frames) == 1  # only the handle travels
+    back = wire.decode(frames).payload
+    assert back == {"x": ipc(), "t": 1.5}
+
+
+def test_cuda_ipc_handles_that_cannot_describe_a_tensor_in_its_storage_are_rejected():
+    bad = {
+        "unknown dtype": ipc(dtype="object"),
+        "negative": ipc(offset=-1),
+        "bool as int": ipc(device=True),
+        "rank mismatch": ipc(stride=(1,)),
+        "empty handle": ipc(handle=b""),
+        "past the storage": ipc(shape=(4, 1000)),  # 16 + 3*8 + 999 elements of 4 B > 4096 B
+    }
+    for what, v in bad.items():
+        try:
+            wire.decode(wire.encode(wire.Data("r", 0, "p", 0, v)))
+        except wire.WireError as e:
+            assert "cuda ipc" in str(e), what
+        else:
+            raise AssertionError(f"{what}: accepted")
+    # A header of the wrong shape (a field missing, a string where a number goes) is a rejection too.
+    for header in ([0, b"h"], [0, b"h", "4096", 0, b"/rc", 0, None, False, "float32", [1], [1], 0]):
+        frame = msgspec.msgpack.encode(wire.Data("r", 0, "p", 0, msgspec.msgpack.Ext(
+            wire.EXT_CUDA_IPC, msgspec.msgpack.encode(header))))
+        try:
+            wire.decode([frame])
+        except wire.WireError:
+            pass
+        else:
+            raise AssertionError(f"header {header!r}: accepted")
+    assert wire.decode(wire.encode(wire.Data("r", 0, "p", 0, ipc(shape=(0, 5), stride=(5, 1))))).payload.shape == (0, 5)

@@ -62,6 +62,16 @@ class Engine(abc.ABC):
         """A control RPC (sleep/wake, profiling, ...); raise for an unsupported method."""
         raise ValueError(f"unsupported control method {method!r}")
 
+    async def export(self, value: Any, cuda_ipc: bool) -> Any:
+        """An output chunk as one route takes it: engines whose outputs hold device memory (CUDA tensors)
+        give a co-located route that takes them (cuda_ipc) IPC handles, every other route host copies.
+        Called once for the IPC routes and once for all others; the default: the value as it is."""
+        return value
+
+    def release(self, value: Any) -> None:
+        """Let go of what a payload that will never be read holds beyond its bytes (the producer's
+        CUDA memory behind an IPC handle). Cheap; never raises."""
+
     async def shutdown(self) -> None:
         """Release the engine; called once on exit."""
 

@@ -8,6 +8,16 @@ arguments, a list as positional arguments, anything else as the one argument.
 `wire.Array` values in the inputs become tensors on the device; tensors in
 the outputs become `wire.Array`s (raw bytes, zero-copy on the wire).
 
+CUDA tensors in the outputs stay on the GPU until a route takes them: a
+co-located torch stage gets a CUDA IPC handle (`wire.CudaIpc`, torch's own
+sharing: the producer's memory stays allocated until the consumer's tensor
+is freed, then goes back to the producer's cache), every other route a host
+copy made in a worker thread. The consumer's tensor is the producer's
+memory: a module that writes into its input writes there (the producer has
+let it go). A handle whose request is dropped unread is released; one queued
+in an aborted request is reclaimed when the producer's allocator runs short
+(torch frees IPC memory its consumers let go before failing an allocation).
+
 Control RPCs: `ping`, `sleep` (moves the weights to host memory and frees
 the GPU cache), `wake_up` (moves them back), `empty_cache`.
 
@@ -22,8 +32,8 @@ import warnings
 from typing import Any, AsyncIterator
 
 from ..schema import Stage
-from ..wire import Array, walk
-from .base import Engine, EngineRequest, load_callable
+from ..wire import Array, CudaIpc, walk
+from .base import BadInput, Engine, EngineRequest, load_callable
 
 
 class TorchEngine(Engine):
@@ -64,6 +74,9 @@ class TorchEngine(Engine):
         return walk(y, self._from_tensor)
 
     def _to_tensor(self, v: Any) -> Any:
+        if isinstance(v, CudaIpc):
+            t = self._from_ipc(v)
+            return t if self.device == "cpu" or t.device == self.torch.device(self.device) else t.to(self.device)
         if not isinstance(v, Array):
             return v
         torch = self.torch
@@ -74,6 +87,13 @@ class TorchEngine(Engine):
         return t.to(self.device) if self.device != "cpu" else t.clone()
 
     def _from_tensor(self, v: Any) -> Any:
+        """Outputs: CUDA tensors stay on the device (export decides per route), others become Arrays."""
+        torch = self.torch
+        if not isinstance(v, torch.Tensor):
+            return v
+        return v.detach() if v.is_cuda else self._host(v)
+
+    def _host(self, v: Any) -> Any:
         torch = self.torch
         if not isinstance(v, torch.Tensor):
             return v
@@ -81,11 +101,68 @@ class TorchEngine(Engine):
         raw = t.reshape(-1).view(torch.uint8).numpy()  # a view of the tensor's memory, no copy
         return Array(str(t.dtype).removeprefix("torch."), tuple(t.shape), memoryview(raw))
 
+    def _has_cuda(self, value: Any) -> bool:
+        found = False
+
+        def leaf(v: Any) -> None:
+            nonlocal found
+            found = found or (isinstance(v, self.torch.Tensor) and v.is_cuda)
+
+        walk(value, leaf)
+        return found
+
+    async def export(self, value: Any, cuda_ipc: bool) -> Any:
+        if self.torch is None or not self._has_cuda(value):
+            return value
+        if cuda_ipc:
+            self.torch.cuda.ipc_collect()  # memory of earlier handles whose consumers let go returns to the cache
+            return walk(value, self._to_ipc)
+        return await asyncio.to_thread(walk, value, self._host)  # D2H off the event loop
+
+    def _to_ipc(self, v: Any) -> Any:
+        torch = self.torch
+        if not (isinstance(v, torch.Tensor) and v.is_cuda):
+            return v
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        (_, size, stride, offset, _, dtype, device, handle, storage_size, storage_offset, _, rc_handle,
+         rc_offset, event_handle, event_sync) = reduce_tensor(v.detach())[1]
+        return CudaIpc(device, bytes(handle), storage_size, storage_offset, bytes(rc_handle), rc_offset,
+                       None if event_handle is None else bytes(event_handle), bool(event_sync),
+                       str(dtype).removeprefix("torch."), tuple(size), tuple(stride), offset)
+
+    def _from_ipc(self, v: CudaIpc) -> Any:
+        torch = self.torch
+        if not torch.cuda.is_available():
+            raise BadInput(f"stage {self.stage.name}: a CUDA tensor came by IPC handle, but this process sees no GPU")
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(v.shape), v.stride, v.offset, torch.UntypedStorage, getattr(torch, v.dtype),
+            v.device, v.handle, v.storage_size, v.storage_offset, False, v.ref_counter_handle,
+            v.ref_counter_offset, v.event_handle, v.event_sync)
+
+    def release(self, value: Any) -> None:
+        torch = self.torch
+        if torch is None:
+            return
+
+        def leaf(v: Any) -> None:
+            if isinstance(v, CudaIpc):
+                try:
+                    torch.UntypedStorage._release_ipc_counter(v.ref_counter_handle, v.ref_counter_offset,
+                                                              device=v.device)
+                except Exception as e:  # a handle of a producer that is gone: nothing left to release
+                    warnings.warn(f"could not release a CUDA IPC handle: {e}", RuntimeWarning)
+
+        walk(value, leaf)
+
     async def control(self, method: str, args: dict[str, Any]) -> Any:
         torch = self.torch
         if method == "ping":
+            cuda = self.device != "cpu" and torch.cuda.is_available()
             return {"pong": True, "stage": self.stage.name, "replica": self.replica, "pid": os.getpid(),
-                    "device": self.device}
+                    "device": self.device, "cuda_allocated_bytes": torch.cuda.memory_allocated() if cuda else None}
         if method == "sleep":
             await asyncio.to_thread(self.module.to, "cpu")
             if torch.cuda.is_available():

@@ -1,0 +1,18 @@
+"""Torch stages hand tensors on: co-located on CPU through shared memory (the route offers CUDA IPC, and
+with no CUDA tensor nothing goes that way). tests/gpu runs the same fleets on a GPU, where it does."""
+
+from __future__ import annotations
+
+from fleet_harness import wait_until
+from torch_handoff import ask, handoff_fleet, sent_bytes
+
+N = 1 << 18  # float32 elements: 1 MiB
+
+
+def test_colocated_torch_stages_on_cpu_hand_tensors_over_through_shared_memory(make_fleet):
+    fleet = handoff_fleet(make_fleet, "cpu", colocated=True)
+    for i in range(3):
+        got = ask(fleet, N, 0.5 + i)
+        assert (got["n"], got["sum"], got["device"], got["dtype"]) == (N, N * (0.5 + i), "cpu", "torch.float32")
+    wait_until(lambda: sent_bytes(fleet, "shm") >= 3 * 4 * N, "the producer to count its shared-memory bytes")
+    assert sent_bytes(fleet, "cuda_ipc") == 0
