@@ -3,9 +3,9 @@
     python -m bench.gpu_boundary [--out DIR] [--sizes 1MiB,16MiB,256MiB,1GiB] [--frame 4MiB]
                                  [--max-iters N] [--time-budget S] [--dry-run-cpu]
 
-Needs only torch, pyzmq, numpy, msgspec and this repository (it imports
-`omnifleet_runtime.wire` from runtime/; no aiohttp, pydantic or yaml), so it runs
-on a bare GPU machine. It does not start the master or stage processes: the
+Needs torch and the runtime's own packages (it runs master and stage
+processes for the runtime's path; the raw limits need only torch, pyzmq,
+numpy and msgspec). The raw part does not start the master or stage processes: the
 boundary is two processes (this one, the producer, and a spawned consumer)
 speaking the runtime's wire format, `wire.Data` messages whose payload holds a
 `wire.Array` (its bytes a separate zero-copy frame), over a ZMQ PUSH -> PULL pair
@@ -34,6 +34,12 @@ touches it: one element read back, and separately a full read `sum()`); ratio
 --dry-run-cpu runs all of it with CPU tensors and small sizes (no pinned memory,
 IPC through shared memory) so the script's logic can be checked on a machine
 without a GPU; its numbers mean nothing.
+
+Through the runtime: a master and two torch stages (bench.torch_stages) as
+real processes, co-located (the tensor goes by CUDA IPC handle) and in two
+pods (host copy, the wire, H2D); boundary = producer's tensor ready ->
+consumer has read all of it. Ratios: over the raw IPC handoff with a full
+read, and over the slowest link of the whole-frame path.
 
 Writes <date>-gpu-boundary.md and .json into --out and merges the headline
 ratios into latest.json there under "gpu_boundary" ("gpu_boundary_dry_run_cpu"
@@ -345,7 +351,6 @@ def run(args) -> dict[str, Any]:
     from omnifleet_runtime import constants, wire
 
     facts = C.machine_facts()
-    facts.pop("runtime measured", None)  # only the wire module is used here
     facts["wire"] = f"{os.path.relpath(wire.__file__, ROOT)} (protocol version {constants.PROTOCOL_VERSION})"
     res: dict[str, Any] = {"facts": facts, "device": device, "frame": frame, "sizes": {}, "skipped": []}
     if cuda:
@@ -355,6 +360,7 @@ def run(args) -> dict[str, Any]:
     max_size = max(sizes)
     peer = WirePeer(device, max_size)
     ipc = IpcPeer(device)
+    fleets = RuntimeFleets(device if cuda else "cpu")
     first_ipc = True
     try:
         for size in sizes:
@@ -395,6 +401,8 @@ def run(args) -> dict[str, Any]:
             first_ipc = False
             r["ipc_touch"] = touch[1:]
             r["ipc_full_read"] = ipc.handoffs(size, ipc_iters + 1, full=True)[1:]
+            r["runtime_colocated"] = fleets.boundaries("colocated", size, ipc_iters)
+            r["runtime_two_pods"] = fleets.boundaries("two_pods", size, min(it, 10))
             if cuda:
                 torch.cuda.empty_cache()
             res["sizes"][size] = r
@@ -406,11 +414,63 @@ def run(args) -> dict[str, Any]:
                   f"with pageable H2D: whole {gbps(size, p50['boundary_whole_pageable']):.2f}, pipelined "
                   f"{gbps(size, p50['boundary_pipelined_pageable']):.2f}; "
                   f"IPC {p50['ipc_touch'] * 1e3:.2f} ms (full read {p50['ipc_full_read'] * 1e3:.2f} ms, "
-                  f"first of this size {r['ipc_first'] * 1e3:.1f} ms)")
+                  f"first of this size {r['ipc_first'] * 1e3:.1f} ms); through the runtime: co-located "
+                  f"{p50['runtime_colocated'] * 1e3:.2f} ms, two pods {gbps(size, p50['runtime_two_pods']):.2f} GB/s")
     finally:
         peer.close()
         ipc.close()
+        fleets.close()
     return res
+
+
+class RuntimeFleets:
+    """The runtime's own path: a master and torch stages (bench.torch_stages) as real processes, the
+    producer and consumer co-located in one pod (CUDA IPC) and in two pods (host copy and the wire)."""
+
+    def __init__(self, device: str):
+        self.fleets: dict[str, C.Fleet] = {}
+        for kind in ("colocated", "two_pods"):
+            fill = {"name": "fill", "type": "torch", "entrypoint": "bench.torch_stages:make_fill",
+                    "engineArgs": {"device": device}}
+            check = {"name": "check", "type": "torch", "entrypoint": "bench.torch_stages:make_check",
+                     "engineArgs": {"device": device}, "inputs": ["fill"], "finalOutput": "text"}
+            if kind == "colocated":
+                check["colocateWith"] = "fill"
+            fleet = self.fleets[kind] = C.Fleet(f"gpu-{kind}", [fill, check])
+            fleet.start_master()
+            if kind == "colocated":
+                fleet.start_pod("colo", "fill", "check")
+            else:
+                fleet.start_pod("prod", "fill")
+                fleet.start_pod("cons", "check")
+        for fleet in self.fleets.values():
+            fleet.wait_ready(timeout=180)  # torch and CUDA start in every stage process
+
+    def boundaries(self, kind: str, size: int, n: int) -> list[float]:
+        """n requests handing a float32 tensor of `size` bytes from producer to consumer (after one warm-up);
+        each one's boundary: producer's tensor ready -> consumer has read all of it (its sum)."""
+        fleet = self.fleets[kind]
+        client = C.HttpClient(fleet.api_port)
+        out = []
+        try:
+            for i in range(n + 1):
+                v = float(i % 7 + 1)
+                status, body = client.post("/v1/completions", {"model": "bench",
+                                                               "prompt": json.dumps({"n": size // 4, "v": v})})
+                if status != 200:
+                    raise RuntimeError(f"{kind}: request of {size} B failed: {status} {body[:300]!r}")
+                d = json.loads(json.loads(body)["choices"][0]["text"])
+                if d["n"] != size // 4 or d["sum"] != v * (size // 4):
+                    raise RuntimeError(f"{kind}: the consumer read {d}, not {size // 4} values of {v}")
+                if i:
+                    out.append(d["t1"] - d["t0"])
+        finally:
+            client.close()
+        return out
+
+    def close(self) -> None:
+        for fleet in self.fleets.values():
+            fleet.stop()
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
@@ -436,6 +496,9 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "ipc_first_ms": r["ipc_first"] * 1e3, "boundary_whole_ms": p50["boundary_whole"] * 1e3,
             "wire_over_ipc": p50["boundary_whole"] / p50["ipc_touch"],
             "wire_pipelined_over_ipc": p50["boundary_pipelined"] / p50["ipc_touch"],
+            "runtime_colocated_ms": p50["runtime_colocated"] * 1e3,
+            "runtime_colocated_over_ipc_full_read": p50["runtime_colocated"] / p50["ipc_full_read"],
+            "runtime_two_pods_over_slowest_link": rate["runtime_two_pods"] / slow_whole,
         }
         rows.append(row)
         tag = C.fmt_size(size).replace(" ", "")
@@ -446,6 +509,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         head[f"boundary_pipelined_pageable_over_slowest_link_{tag}"] = round(
             row["boundary_pipelined_pageable_over_slowest_link"], 3)
         head[f"wire_boundary_time_over_cuda_ipc_{tag}"] = round(row["wire_over_ipc"], 1)
+        head[f"runtime_colocated_over_cuda_ipc_{tag}"] = round(row["runtime_colocated_over_ipc_full_read"], 2)
+        head[f"runtime_two_pods_over_slowest_link_{tag}"] = round(row["runtime_two_pods_over_slowest_link"], 3)
     return {"rows": rows, "headline": head}
 
 
@@ -506,6 +571,19 @@ def report(res: dict[str, Any], summ: dict[str, Any], dry: bool) -> str:
                        [[C.fmt_size(r["size"]), f(r["boundary_whole_ms"]), f(r["ipc_touch_ms"], 3),
                          f(r["ipc_full_read_ms"], 3), f(r["ipc_first_ms"], 1), f(r["wire_over_ipc"], 0) + "x",
                          f(r["wire_pipelined_over_ipc"], 0) + "x"] for r in summ["rows"]]), ""]
+    out += ["## Through the runtime", "",
+            "The runtime's own path: `omnifleet master` and `omnifleet stage` processes with two torch stages "
+            "(`bench.torch_stages`): `fill` makes a float32 tensor of the size on the GPU and stamps it, `check` "
+            "sums all of it and stamps again; boundary = the producer's tensor ready -> the consumer has read "
+            "every value (p50). *Co-located*: one pod, the tensor goes by CUDA IPC handle "
+            "(`wire.CudaIpc`); ratio over the raw IPC handoff with a full read, above. *Two pods*: host copy in "
+            "the producer, the wire, H2D in the consumer; ratio over the slowest link of the whole-frame path "
+            "(pinned D2H, wire in one frame, pinned H2D).", "",
+            C.md_table(["size", "co-located (ms)", "raw IPC full read (ms)", "co-located / raw IPC",
+                        "two pods GB/s", "two pods / slowest link"],
+                       [[C.fmt_size(r["size"]), f(r["runtime_colocated_ms"], 3), f(r["ipc_full_read_ms"], 3),
+                         f(r["runtime_colocated_over_ipc_full_read"]) + "x", f(r["runtime_two_pods_gbps"]),
+                         f(r["runtime_two_pods_over_slowest_link"]) + "x"] for r in summ["rows"]]), ""]
     if res["skipped"]:
         out += [f"Skipped for the time budget: {', '.join(C.fmt_size(s) for s in res['skipped'])}.", ""]
     out += [f"Elapsed: {res['elapsed_s']:.0f} s.", ""]

@@ -30,7 +30,9 @@ from omnifleet_runtime.security import Keys, secure_client
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-PYTHONPATH = os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "operator"), str(HERE)])
+# The repo's code first; then whatever the caller's PYTHONPATH held (packages installed beside the interpreter).
+PYTHONPATH = os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "operator"), str(HERE), str(ROOT),
+                              *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def free_port() -> int:

@@ -12,8 +12,8 @@ SENT = "omnifleet_worker_sent_bytes_total"
 
 
 def handoff_fleet(make_fleet, device: str, colocated: bool):
-    fill = {"name": "fill", "type": "torch", "entrypoint": "torchfns:make_fill", "engineArgs": {"device": device}}
-    check = {"name": "check", "type": "torch", "entrypoint": "torchfns:make_check", "engineArgs": {"device": device},
+    fill = {"name": "fill", "type": "torch", "entrypoint": "bench.torch_stages:make_fill", "engineArgs": {"device": device}}
+    check = {"name": "check", "type": "torch", "entrypoint": "bench.torch_stages:make_check", "engineArgs": {"device": device},
              "inputs": ["fill"], "finalOutput": "text", **({"colocateWith": "fill"} if colocated else {})}
     fleet = make_fleet(pipeline(fill, check))
     fleet.start_master()
