@@ -15,6 +15,13 @@ here. The control port uses CurveZMQ in both.
 2. Per-hop latency: chains of 1 and 3 no-op stages; per hop =
    (p50(3 stages) - p50(1 stage)) / 2 over HTTP. Ratio = curve / plain-auth.
 
+3. The ceiling: raw pyzmq PUSH -> PULL (no runtime), one process each side's
+   thread, 4 MiB messages spread over K connections (K = 1, 2, 4, 8; a ZMQ
+   context of K I/O threads on each side), CURVE and plain. Parallel
+   connections are the lever the runtime would use to spread encryption over
+   cores; this says what they give before any runtime code is built on them.
+   `--ceiling-only` runs this part alone (written as <date>-curve-ceiling).
+
 Writes bench/results/<date>-wire-security[-quick].md and .json, and merges the
 headline ratios into bench/results/latest.json under "wire_security" (quick:
 "wire_security_quick"). No timing assertions: it prints numbers and ratios.
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,7 @@ from .data_plane import bulk_requests, chain, http_sequential, summarize
 
 MIB = 1 << 20
 MODES = ("curve", "plain-auth")
+CEILING_K = (1, 2, 4, 8)
 FULL = dict(sizes=[16 * MIB, 64 * MIB, 256 * MIB], chunk=4 * MIB, reps=8, rounds=3, time_s=30.0,
             lat_n=600, lat_warmup=20, lat_rounds=3, lat_time_s=20.0)
 QUICK = dict(sizes=[16 * MIB, 64 * MIB], chunk=4 * MIB, reps=4, rounds=2, time_s=10.0,
@@ -120,6 +129,77 @@ def run_latency(cfg: dict) -> dict[str, Any]:
     return out
 
 
+def raw_stream(mode: str, k: int, chunk: int, total: int) -> float:
+    """GiB/s of `total` bytes as `chunk`-byte messages over k PUSH connections into one PULL (raw pyzmq)."""
+    import threading
+
+    import zmq
+
+    keys = [zmq.curve_keypair(), zmq.curve_keypair()]  # server, client
+    rctx, sctx = zmq.Context(io_threads=k), zmq.Context(io_threads=k)
+    pull = rctx.socket(zmq.PULL)
+    if mode == "curve":
+        pull.curve_publickey, pull.curve_secretkey = keys[0]
+        pull.curve_server = True
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    pushes = []
+    for _ in range(k):
+        push = sctx.socket(zmq.PUSH)
+        if mode == "curve":
+            push.curve_publickey, push.curve_secretkey = keys[1]
+            push.curve_serverkey = keys[0][0]
+        push.connect(f"tcp://127.0.0.1:{port}")
+        pushes.append(push)
+    buf = memoryview(bytearray(b"\x5a" * chunk))
+    for push in pushes:  # every connection up (handshake done) before the clock starts
+        push.send(b"x")
+    for _ in range(k):
+        pull.recv()
+
+    def send() -> None:
+        for j in range(total // chunk):
+            pushes[j % k].send(buf, copy=False)
+
+    sender = threading.Thread(target=send)
+    t0 = time.perf_counter()
+    sender.start()
+    got = 0
+    while got < total // chunk * chunk:
+        got += len(pull.recv(copy=False))
+    dt = time.perf_counter() - t0
+    sender.join()
+    for sock in (pull, *pushes):
+        sock.close(linger=0)
+    rctx.term()
+    sctx.term()
+    return total / dt / (1 << 30)
+
+
+def run_ceiling(rounds: int = 3, chunk: int = 4 * MIB, total: int = 512 * MIB) -> dict[str, Any]:
+    C.log("== raw CurveZMQ ceiling: K connections, K I/O threads")
+    rates: dict[str, list[float]] = {f"{m}_k{k}": [] for m in ("curve", "plain") for k in CEILING_K}
+    for r in range(rounds):
+        for k in CEILING_K:
+            for m in ("curve", "plain"):
+                rates[f"{m}_k{k}"].append(raw_stream(m, k, chunk, total))
+        C.log(f"round {r + 1}/{rounds}: " + ", ".join(f"{key} {v[-1]:.2f}" for key, v in rates.items()))
+    med = {key: C.pct(v, 50) for key, v in rates.items()}
+    return {"rounds": rates, "p50_gib_s": med, "chunk": chunk, "total": total,
+            "best_curve_over_plain_k1": max(med[f"curve_k{k}"] for k in CEILING_K) / med["plain_k1"]}
+
+
+def ceiling_table(ceil: dict[str, Any]) -> list[str]:
+    med = ceil["p50_gib_s"]
+    return ["## Ceiling: raw pyzmq, K connections (median of rounds)", "",
+            f"{C.fmt_size(ceil['chunk'])} messages, {C.fmt_size(ceil['total'])} per measurement, K PUSH sockets "
+            "round-robin into one PULL, a context of K I/O threads each side.", "",
+            C.md_table(["K", "curve GiB/s", "plain GiB/s", "curve / plain (same K)", "curve / plain (K=1)"],
+                       [[k, f"{med[f'curve_k{k}']:.2f}", f"{med[f'plain_k{k}']:.2f}",
+                         f"{med[f'curve_k{k}'] / med[f'plain_k{k}']:.2f}",
+                         f"{med[f'curve_k{k}'] / med['plain_k1']:.2f}"] for k in CEILING_K]),
+            "", f"Best CurveZMQ over one plain connection: {ceil['best_curve_over_plain_k1']:.2f}x.", ""]
+
+
 def report(res: dict, quick: bool) -> str:
     lines = [f"# Wire security benchmark{' (quick)' if quick else ''}, {C.today()}", "",
              "CurveZMQ (`dataPlane: curve`) against the data plane without encryption (`plain-auth`), same run, "
@@ -137,6 +217,8 @@ def report(res: dict, quick: bool) -> str:
          ["3 stages", f"{lat['curve_3']['p50'] * 1e6:.0f} us", f"{lat['plain-auth_3']['p50'] * 1e6:.0f} us"],
          ["per hop", f"{lat['per_hop_s']['curve'] * 1e6:.0f} us", f"{lat['per_hop_s']['plain-auth'] * 1e6:.0f} us"],
          ["ratio curve / plain-auth", f"{lat['ratio']:.2f}", ""]])]
+    if res.get("ceiling"):
+        lines += ["", *ceiling_table(res["ceiling"])]
     return "\n".join(lines) + "\n"
 
 
@@ -144,10 +226,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.wire_security", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small counts: a smoke run of a few minutes")
     p.add_argument("--out", type=Path, default=C.RESULTS, help="results folder (default: %(default)s)")
+    p.add_argument("--ceiling-only", action="store_true",
+                   help="only the raw pyzmq ceiling (K connections), written as <date>-curve-ceiling")
     args = p.parse_args(argv)
+    if args.ceiling_only:
+        facts, ceil = C.machine_facts(), run_ceiling()
+        stem = f"{C.today()}-curve-ceiling"
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{stem}.json").write_text(json.dumps({"ceiling": ceil, "facts": facts}, indent=2) + "\n")
+        text = "\n".join([f"# CurveZMQ ceiling, {C.today()}", "", "`python -m bench.wire_security --ceiling-only`",
+                          "", C.facts_table(facts), "", *ceiling_table(ceil)])
+        (args.out / f"{stem}.md").write_text(text)
+        print(text)
+        return 0
     cfg = QUICK if args.quick else FULL
     prov = C.provenance("wire_security")
-    res = {"bulk": run_bulk(cfg), "latency": run_latency(cfg), "config": cfg, "facts": C.machine_facts()}
+    res = {"bulk": run_bulk(cfg), "latency": run_latency(cfg), "ceiling": run_ceiling(rounds=cfg["rounds"]),
+           "config": cfg, "facts": C.machine_facts()}
     stem = f"{C.today()}-wire-security{'-quick' if args.quick else ''}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
@@ -157,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                for r in res["bulk"]["rows"]}
     C.merge_latest(args.out, "wire_security_quick" if args.quick else "wire_security",
                    {**by_size, "per_hop_curve_over_plain": round(res["latency"]["ratio"], 3),
+                    "ceiling_best_curve_over_plain": round(res["ceiling"]["best_curve_over_plain_k1"], 3),
                     "report": f"{stem}.md"}, prov)
     print(report(res, args.quick))
     return 0
