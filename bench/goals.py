@@ -87,7 +87,9 @@ GOALS: tuple[Goal, ...] = (
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="one CurveZMQ connection encrypts on one libzmq I/O thread; 4 MiB frames barely help (the "
-         "same report); parallel connections per peer, the remaining lever, are not built"),
+         "same report), and parallel connections do not lift the ceiling: raw pyzmq on a 16-core host moved 0.67 "
+         "GiB/s over one CURVE connection and 1.11 over eight (eight I/O threads), against 3.76 for one plain "
+         "connection, at best 0.30x (bench/results/2026-12-01-curve-ceiling.md)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="the rounds spread widely: the report records the other load on this shared machine per side"),
