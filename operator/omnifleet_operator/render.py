@@ -16,7 +16,8 @@ import yaml
 
 from omnifleet_runtime import constants as C
 from omnifleet_runtime.config import ROUTING_FIELDS
-from omnifleet_runtime.schema import EnvVar, OmniPipeline, Resources, Toleration, Volume, VolumeMount
+from omnifleet_runtime.schema import (AUTOSCALING_METRICS, EnvVar, OmniPipeline, Resources, Toleration, Volume,
+                                      VolumeMount)
 from omnifleet_runtime.validate import dump, resolve
 
 from . import names, quantity
@@ -29,7 +30,6 @@ MASTER_GRACE_SECONDS = 30
 STAGE_PROGRESS_DEADLINE = 1800  # model loads are slow
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
-INFLIGHT_METRIC = "omnifleet_stage_inflight"
 SCALE_FIELDS = ("replicas", "autoscaling")
 # Pod fields no process reads: they change the template (and so roll the pods) but not the config hash.
 POD_ONLY_FIELDS = ("podAnnotations",)
@@ -478,8 +478,14 @@ def build_stage_pdb(doc: OmniPipeline, host: str, owner_uid: str | None = None) 
     }
 
 
+def target_quantity(v: float) -> str:
+    """A Kubernetes quantity for a target: whole numbers as they are, fractions in milli-units."""
+    return str(int(v)) if float(v).is_integer() else f"{round(v * 1000)}m"
+
+
 def build_stage_hpa(doc: OmniPipeline, host: str, owner_uid: str | None = None) -> Obj:
-    a = doc.spec.stage(host).autoscaling
+    group = doc.spec.group(host)
+    a = group[0].autoscaling
     assert a is not None
     name = names.stage_name(doc.metadata.name, host)
     return {
@@ -492,8 +498,9 @@ def build_stage_hpa(doc: OmniPipeline, host: str, owner_uid: str | None = None) 
             "metrics": [{
                 "type": "Pods",
                 "pods": {
-                    "metric": {"name": INFLIGHT_METRIC},
-                    "target": {"type": "AverageValue", "averageValue": str(a.target_inflight)},
+                    "metric": {"name": AUTOSCALING_METRICS[a.metric_for(group)],
+                               "selector": {"matchLabels": {"stage": a.metric_stage(group)}}},
+                    "target": {"type": "AverageValue", "averageValue": target_quantity(a.target_for(group))},
                 },
             }],
         },

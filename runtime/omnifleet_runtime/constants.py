@@ -117,3 +117,6 @@ MAX_FRAMES = 4096
 # Registrations per stage: a flood of (keyed) registrations cannot grow
 # membership without bound. At least this many, more when the spec asks for more.
 MIN_REPLICAS_BOUND = 64
+
+# The window of a stage's real-time-factor gauge (its autoscaling metric for audio stages).
+RTF_WINDOW_S = 60.0

@@ -205,6 +205,8 @@ class StageMetrics:
                 ("omnifleet_worker_inflight", "Requests in this replica (started, not done)."),
                 ("omnifleet_worker_queue_depth", "Requests waiting for an engine slot."),
                 ("omnifleet_worker_early_data", "Requests whose data arrived before their dispatch."),
+                ("omnifleet_worker_realtime_factor", "Audio stages: seconds of work per second of audio produced, "
+                 "over the requests that ended in the last minute (0: none); an autoscaling target."),
             ):
                 g = GaugeMetricFamily(name, help, labels=["stage"])
                 g.add_metric([stage], now[name.removeprefix("omnifleet_worker_")])

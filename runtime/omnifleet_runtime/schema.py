@@ -242,8 +242,19 @@ class VolumeMount(Model):
     sub_path: str | None = Field(None, max_length=4096, description="Path inside the volume to mount instead of its root.")
 
 
+# What a stage's autoscaler holds at its target, per replica -> the series every stage pod exports for it
+# (label `stage`; a pod of co-located stages exports each stage's own).
+AUTOSCALING_METRICS = {
+    "inflight": "omnifleet_worker_inflight",
+    "queueDepth": "omnifleet_worker_queue_depth",
+    "realTimeFactor": "omnifleet_worker_realtime_factor",
+}
+AUTOSCALING_DEFAULT_TARGETS = {"queueDepth": 2.0, "realTimeFactor": 0.5}
+
+
 class Autoscaling(Model):
-    """Let an autoscaler own a stage's replica count (an autoscaling/v2 HPA is rendered)."""
+    """Let an autoscaler own a stage's replica count (an autoscaling/v2 HPA is rendered, on a pods metric the
+    stage's pods export: a metrics adapter such as prometheus-adapter serves it to the HPA)."""
 
     model_config = ConfigDict(
         json_schema_extra=cel(("self.minReplicas <= self.maxReplicas", "minReplicas must not exceed maxReplicas"))
@@ -251,12 +262,48 @@ class Autoscaling(Model):
 
     min_replicas: int = Field(1, ge=1, le=10000, description="Fewest replicas.")
     max_replicas: int = Field(ge=1, le=10000, description="Most replicas.")
+    metric: Literal["inflight", "queueDepth", "realTimeFactor"] | None = Field(
+        None,
+        description="What the autoscaler holds at `target` per replica: `inflight` (requests in the replica; LLM "
+        "stages, which batch), `queueDepth` (requests waiting for an engine slot; stages of fixed concurrency), "
+        "`realTimeFactor` (seconds of work per second of audio produced over the last minute; audio stages: "
+        "below 1 is faster than real time). Series: " + ", ".join(f"{k} `{v}`" for k, v in
+                                                                   AUTOSCALING_METRICS.items())
+        + ". Default: realTimeFactor for a stage whose finalOutput is audio, else inflight.",
+    )
+    target: float | None = Field(
+        None, gt=0, le=100000,
+        description="The metric's target per replica. Default: targetInflight for inflight, "
+        + ", ".join(f"{v:g} for {k}" for k, v in AUTOSCALING_DEFAULT_TARGETS.items()) + ".",
+    )
     target_inflight: int = Field(
         4,
         ge=1,
         le=100000,
-        description="Target in-flight requests per replica (pods metric `omnifleet_stage_inflight`).",
+        description="Target in-flight requests per replica when the metric is inflight and `target` is unset.",
     )
+
+    def metric_for(self, group: list["Stage"]) -> str:
+        """The metric of a host stage's autoscaler; group: the host and the stages co-located in its pods."""
+        return self.metric or ("realTimeFactor" if audio_stage(group) else "inflight")
+
+    def target_for(self, group: list["Stage"]) -> float:
+        metric = self.metric_for(group)
+        if self.target is not None:
+            return self.target
+        return float(self.target_inflight) if metric == "inflight" else AUTOSCALING_DEFAULT_TARGETS[metric]
+
+    def metric_stage(self, group: list["Stage"]) -> str | None:
+        """The stage whose series the autoscaler reads: the pod's audio stage for realTimeFactor (None: the pod
+        has none), else the host."""
+        if self.metric_for(group) == "realTimeFactor":
+            audio = audio_stage(group)
+            return audio.name if audio else None
+        return group[0].name
+
+
+def audio_stage(group: list["Stage"]) -> "Stage | None":
+    return next((s for s in group if s.final_output == "audio"), None)
 
 
 class Heartbeat(Model):

@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -193,8 +193,10 @@ class StageWorker:
         self.draining = False
         self.on_registered = self.on_engine_died = None
         self.exit_code = 0
+        self.audio_window: deque[tuple[float, float, float]] = deque()  # (done at, seconds of work, of audio)
         self.metrics = StageMetrics(stage, lambda: {
-            "inflight": len(self.jobs), "queue_depth": self.queued, "early_data": len(self.pending)})
+            "inflight": len(self.jobs), "queue_depth": self.queued, "early_data": len(self.pending),
+            "realtime_factor": self._realtime_factor()})
 
     # ------------------------------------------------------------ lifecycle
 
@@ -608,6 +610,17 @@ class StageWorker:
         m.request_seconds.observe(now - job.dispatched, stage=stage)
         if outcome == "ok" and job.audio_s > 0 and job.first_input:
             m.audio_rtf.observe((job.last_chunk - job.first_input) / job.audio_s, stage=stage)
+            self.audio_window.append((now, job.last_chunk - job.first_input, job.audio_s))
+
+    def _realtime_factor(self) -> float:
+        """Seconds of work per second of audio over the requests that ended in the last RTF_WINDOW_S (0: none):
+        what an autoscaler of an audio stage holds at its target. A window, not a running mean, so that
+        an idle stage reads 0 and scales back down."""
+        cutoff = time.monotonic() - C.RTF_WINDOW_S
+        while self.audio_window and self.audio_window[0][0] < cutoff:
+            self.audio_window.popleft()
+        audio = sum(a for _, _, a in self.audio_window)
+        return sum(w for _, w, _ in self.audio_window) / audio if audio else 0.0
 
     async def _acquire_slot(self) -> None:
         if self.slots is None:

@@ -169,6 +169,10 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
             add(f"{at}.autoscaling", "set replicas or autoscaling, not both")
         if s.autoscaling and s.autoscaling.min_replicas > s.autoscaling.max_replicas:
             add(f"{at}.autoscaling.minReplicas", "must not exceed maxReplicas")
+        if s.autoscaling and s.colocate_with is None and s.autoscaling.metric_stage(
+                [s] + [o for o in spec.stages if o.colocate_with == s.name]) is None:
+            add(f"{at}.autoscaling.metric", "realTimeFactor needs a stage in this stage's pods (itself or one "
+                "co-located with it) whose finalOutput is audio")
         for j, name in enumerate(s.inputs):
             if name == s.name:
                 add(f"{at}.inputs[{j}]", "a stage cannot be its own input")

@@ -121,6 +121,16 @@ def test_an_audio_stage_reports_seconds_of_audio_and_its_real_time_factor(make_f
     assert pod_v.value("omnifleet_audio_output_seconds_total", stage="voice") == 2.0  # 1 s per request
     assert pod_v.value("omnifleet_audio_realtime_factor_count", stage="voice") == 2
     assert 0 <= pod_v.value("omnifleet_audio_realtime_factor_sum", stage="voice") < 60
+    # The autoscaling gauge: work per second of audio over the last minute, the histogram's own mean.
+    mean = pod_v.value("omnifleet_audio_realtime_factor_sum", stage="voice") / 2
+    assert abs(pod_v.value("omnifleet_worker_realtime_factor", stage="voice") - mean) < 1e-6
+    # Every series an HPA may name (schema.AUTOSCALING_METRICS) is exported per stage by the stage pods.
+    from omnifleet_runtime.schema import AUTOSCALING_METRICS
+
+    pod_t = Scrape(fleet.metrics_ports["pod-t"])
+    for series in AUTOSCALING_METRICS.values():
+        assert pod_v.has(series, stage="voice") and pod_t.has(series, stage="text"), series
+    assert pod_t.value("omnifleet_worker_realtime_factor", stage="text") == 0  # no audio: nothing to scale on
     assert m.value("omnifleet_time_to_first_output_seconds_count", stage="voice", output="audio") == 2
 
 

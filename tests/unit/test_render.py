@@ -254,3 +254,52 @@ def test_pod_annotations_reach_the_pod_templates_and_the_operators_own_keys_are_
     _, problems = check_document(doc)
     assert [(p.path, p.message) for p in problems] == [
         ("spec.stages[0].podAnnotations", "'omnifleet.dev/config-hash': omnifleet.dev/ annotations are the operator's")]
+
+
+def autoscaled_pipeline(**host_autoscaling) -> dict:
+    return {"apiVersion": "omnifleet.dev/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": "auto"},
+            "spec": {"stages": [
+                {"name": "llm", "type": "python", "entrypoint": "omnifleet_runtime.stock:passthrough",
+                 "autoscaling": {"maxReplicas": 4, "targetInflight": 6}, "finalOutput": "text"},
+                {"name": "talker", "type": "python", "entrypoint": "omnifleet_runtime.stock:passthrough",
+                 "inputs": ["llm"], "autoscaling": {"maxReplicas": 8, **host_autoscaling}},
+                {"name": "vocoder", "type": "python", "entrypoint": "omnifleet_runtime.stock:passthrough",
+                 "inputs": ["talker"], "colocateWith": "talker", "finalOutput": "audio"},
+            ]}}
+
+
+def hpa_metric(objs, name: str) -> dict:
+    (metric,) = objs[("HorizontalPodAutoscaler", name)]["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    return metric["pods"]
+
+
+def test_an_hpa_holds_the_metric_its_stages_mean():
+    from omnifleet_runtime.schema import AUTOSCALING_METRICS
+
+    objs = render(autoscaled_pipeline())
+    # An LLM-like stage: requests in flight per replica, its own series.
+    assert hpa_metric(objs, "auto-llm") == {
+        "metric": {"name": "omnifleet_worker_inflight", "selector": {"matchLabels": {"stage": "llm"}}},
+        "target": {"type": "AverageValue", "averageValue": "6"}}
+    # A pod that makes audio: the real-time factor of its audio stage (co-located with the host), 0.5.
+    assert hpa_metric(objs, "auto-talker") == {
+        "metric": {"name": "omnifleet_worker_realtime_factor", "selector": {"matchLabels": {"stage": "vocoder"}}},
+        "target": {"type": "AverageValue", "averageValue": "500m"}}
+    # Chosen: queue depth with a target of its own.
+    pods = hpa_metric(render(autoscaled_pipeline(metric="queueDepth", target=3)), "auto-talker")
+    assert pods["metric"]["name"] == "omnifleet_worker_queue_depth" and pods["target"]["averageValue"] == "3"
+    assert pods["metric"]["selector"] == {"matchLabels": {"stage": "talker"}}
+    # Every series an HPA can name is one the adapter rules we ship serve.
+    rules = yaml.safe_load((REPO / "manifests" / "monitoring" / "prometheus-adapter-rules.yaml").read_text())
+    served = {r["name"]["as"] for r in rules["rules"]}
+    assert set(AUTOSCALING_METRICS.values()) == served
+
+
+def test_real_time_factor_needs_an_audio_stage_in_the_pod():
+    doc = autoscaled_pipeline()
+    doc["spec"]["stages"][0]["autoscaling"]["metric"] = "realTimeFactor"
+    _, problems = check_document(doc)
+    assert [str(p) for p in problems] == [
+        "spec.stages[0].autoscaling.metric: realTimeFactor needs a stage in this stage's pods (itself or one "
+        "co-located with it) whose finalOutput is audio"]
