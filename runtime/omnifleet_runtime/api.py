@@ -48,6 +48,7 @@ from typing import Any
 from aiohttp import web
 
 from . import media, wire
+from .content import decode_messages, fetch_bounded, has_media
 from .httputil import as_text, bearer_ok, error_response, jsonable, unauthorized
 from .limits import OPENAI_SAMPLING, BadRequest, RequestCheck, parse_body
 from .orchestrator import Event, NoReplica, Orchestrator, Run
@@ -222,6 +223,12 @@ class Api:
             self.metrics.requests.inc(api=info.kind, outcome="no_replica")
             return error_response(503, str(e), "service_unavailable", stages=e.stages)
 
+    async def _decode_media(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        lim = self.spec.master.limits
+        return await decode_messages(
+            messages, max_image_pixels=lim.max_image_pixels, max_audio_seconds=lim.max_input_audio_seconds,
+            max_bytes=lim.max_body_bytes, hosts=frozenset(self.spec.master.media_url_hosts), fetch=fetch_bounded)
+
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             body = await self._checked(request, kind)
@@ -231,6 +238,12 @@ class Api:
         except BadRequest as e:
             self.metrics.refused.inc(reason="invalid")
             return error_response(400, str(e), "invalid_request_error")
+        if kind == "chat" and has_media(body["messages"]):
+            try:
+                body["messages"] = await self._decode_media(body["messages"])
+            except BadRequest as e:
+                self.metrics.refused.inc(reason="invalid")
+                return error_response(400, str(e), "invalid_request_error")
         run = self._start(body, kind, "req", "messages" if kind == "chat" else "prompt", sampling, final)
         if isinstance(run, web.Response):
             return run

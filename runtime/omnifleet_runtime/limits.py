@@ -41,6 +41,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "tokenizer_kwargs",
 })
 MAX_DEPTH = 32
+MEDIA_PART_TYPES = ("image_url", "input_audio", "video_url")
 _INT_MIN, _INT_MAX = -(2 ** 63), 2 ** 64 - 1  # what msgpack carries
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "max_tokens", "max_completion_tokens", "n", "top_logprobs", "min_tokens")
@@ -238,7 +239,11 @@ class RequestCheck:
                         raise BadRequest(f"'messages[{i}].content[{j}]' must be an object with a string 'type'")
             elif content is not None and not isinstance(content, str):
                 raise BadRequest(f"'messages[{i}].content' must be a string or a list of content parts")
-        if json_size(messages, "messages") > self.limits.max_prompt_chars:
+        # Media parts (base64 images and audio) count by their own limits (pixels, seconds) and the body's size,
+        # not as prompt characters: a photo is megabytes of base64.
+        text_only = [{**m, "content": [p for p in m["content"] if p.get("type") not in MEDIA_PART_TYPES]}
+                     if isinstance(m.get("content"), list) else m for m in messages]
+        if json_size(text_only, "messages") > self.limits.max_prompt_chars:
             raise BadRequest(f"'messages' hold more than {self.limits.max_prompt_chars} characters "
                              "(spec.master.limits.maxPromptChars)")
 

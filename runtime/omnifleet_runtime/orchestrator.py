@@ -31,7 +31,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
+
 from . import tracing, wire
+from .content import has_media, strip_media
 from .membership import Membership, Replica
 from .metrics import MasterMetrics
 from .schema import PipelineSpec
@@ -80,6 +83,7 @@ class Run:
     expiry: asyncio.TimerHandle | None = None
     first_outputs: set[str] = field(default_factory=set)  # final stages that have sent a chunk
     done_at: dict[str, float] = field(default_factory=dict)  # this attempt's finished stages
+    light_info: wire.RequestInfo | None = None  # info without decoded media: what stages past the entry get
     span: Any = None  # the request's trace span; one child per stage attempt in `spans`
     spans: dict[str, Any] = field(default_factory=dict)
 
@@ -105,6 +109,7 @@ class Orchestrator:
         self.replica_wait_s = replica_wait_s
         self.max_redispatches = max_redispatches
         self.order = topological_order(spec)
+        self.entry = next(s.name for s in spec.stages if not s.inputs)  # the one stage that gets decoded media
         self.final = {s.name for s in spec.stages if s.final_output != "none"}
         self.downstream = {s.name: [t.name for t in spec.stages if s.name in t.inputs] for s in spec.stages}
         self.runs: dict[str, Run] = {}
@@ -136,6 +141,8 @@ class Orchestrator:
         if missing:
             raise NoReplica(missing)
         run = Run(info, sampling, stages=stages, final=final, timeout_s=timeout_s)
+        if info.messages and has_media(info.messages):
+            run.light_info = msgspec.structs.replace(info, messages=strip_media(info.messages))
         run.span = tracing.start("request", attributes={"omnifleet.request_id": run.id, "omnifleet.api": info.kind,
                                                         "omnifleet.stages": ",".join(stages)}, server=True)
         self.runs[run.id] = run
@@ -170,7 +177,8 @@ class Orchestrator:
                 for d in self.downstream[name] if d in plan
             ]
             self.send(rep.identity, wire.Dispatch(
-                request_id=run.id, attempt=run.attempt, stage=name, info=run.info,
+                request_id=run.id, attempt=run.attempt, stage=name,
+                info=run.info if name == self.entry or run.light_info is None else run.light_info,
                 sampling_params=run.sampling.get(name, {}), inputs=list(self.spec.stage(name).inputs),
                 routes=routes, final=name in run.final, traceparent=tracing.traceparent(span),
             ))

@@ -181,6 +181,9 @@ class ApiLimits(Model):
         description="Pixels (width x height) of one image, asked for or encoded. Default: 16777216 (4096x4096).")
     max_audio_seconds: float = Field(
         600.0, gt=0, le=86400, description="Seconds of audio the master encodes for one request. Default: 600.")
+    max_input_audio_seconds: float = Field(
+        600.0, gt=0, le=86400,
+        description="Seconds of one `input_audio` content part (read from its header, before decoding). Default: 600.")
 
 
 class ModelVolume(Model):
@@ -378,6 +381,10 @@ class Master(Model):
         False, description="Let requests bring their own chat template (`chat_template`, "
         "`chat_template_kwargs.chat_template`); refused with 400 otherwise. Templates run code in the stages.")
     limits: ApiLimits = Field(default_factory=ApiLimits, description="Bounds of the HTTP API.")
+    media_url_hosts: list[Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$", max_length=253)]] = Field(
+        default_factory=list, max_length=256,
+        description="Hosts whose http(s) `image_url` parts the master fetches (bounded by maxBodyBytes, 10 s). "
+        "Default: none: images come as data URLs.")
 
 
 class VllmOmniStage(Model):

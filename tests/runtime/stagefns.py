@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -266,3 +267,32 @@ def tone(inputs, sampling_params, context):
         samples = [0.25] * (TONE_RATE // 2)
         yield {"audio": Array("float32", (len(samples),), struct.pack(f"<{len(samples)}f", *samples)),
                "sample_rate": TONE_RATE}
+
+
+# ---- chat media: what the entry stage (and the next one) got of image and audio parts
+
+def _media_summary(messages):
+    out = []
+    for m in messages:
+        for part in m["content"] if isinstance(m["content"], list) else []:
+            if part["type"] == "image":
+                img = part["image"]
+                out.append({"type": "image", "shape": img["shape"], "dtype": img["dtype"],
+                            "first_pixel": list(img["data"][:3]) if img["data"] is not None else None})
+            elif part["type"] == "audio":
+                a = part["audio"]
+                first = struct.unpack("<f", a["data"][:4])[0] if a["data"] is not None else None
+                out.append({"type": "audio", "shape": a["shape"], "sample_rate": part["sample_rate"],
+                            "first_sample": first,
+                            "bytes": len(a["data"]) if a["data"] is not None else None})
+            else:
+                out.append({"type": part["type"]})
+    return out
+
+
+def media_entry(inputs, sampling_params, context):
+    return {"entry": _media_summary(inputs)}
+
+
+def media_next(inputs, sampling_params, context):
+    return json.dumps({**inputs, "next": _media_summary(context.request.messages)})
