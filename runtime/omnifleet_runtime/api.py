@@ -13,7 +13,7 @@ data}, bytes base64-encoded).
 `modalities` picks the final outputs a chat request gets (default: the text
 ones; all when the pipeline has no text output), and only the stages they need
 run. With `"audio"` the reply carries `message.audio` as OpenAI shapes it
-(`{id, data: base64 WAV (or pcm16 with audio.format "pcm16"), expires_at,
+(`{id, data: base64 WAV (or FLAC, MP3, pcm16 per audio.format), expires_at,
 transcript}`; streamed: `delta.audio.data`, base64 16-bit PCM).
 
 `/v1/images/generations` runs the stages that feed the `image` final stages
@@ -21,9 +21,11 @@ transcript}`; streamed: `delta.audio.data`, base64 16-bit PCM).
 stages' `n`, `width`, `height`, `seed`; the answer is PNGs, `b64_json` or
 `url` (a data: URL). `/v1/audio/speech` runs those feeding the `audio` final
 stages (the entry stage gets `input` as its prompt) and answers a WAV
-(`response_format` wav, the default here), raw 16-bit PCM streamed as it comes
-(`pcm`), or SSE `speech.audio.delta` events (`stream_format: "sse"`). PNG and
-WAV are encoded here with the standard library (media.py).
+(`response_format` wav, the default here), FLAC or MP3, raw 16-bit PCM streamed
+as it comes (`pcm`), or SSE `speech.audio.delta` events (`stream_format:
+"sse"`). PNG and WAV are encoded here with the standard library, FLAC and MP3
+with libsndfile (media.py). Chat content parts with images and audio are
+decoded here once (content.py).
 
 Who may call what: with an API key configured (spec.master.apiKeySecret),
 every `/v1/` endpoint wants `Authorization: Bearer <key>` (401 otherwise);
@@ -360,7 +362,7 @@ class Api:
         content = "".join(text)
         if reply.audio:
             sound = media.join_audio(audio, self.limits.max_audio_seconds)
-            data = media.wav(sound) if reply.audio == "wav" else sound.pcm
+            data = sound.pcm if reply.audio == "pcm16" else media.encode_audio(sound, reply.audio)
         if reply.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if reply.audio:
@@ -441,8 +443,9 @@ class Api:
             if not final:
                 raise BadRequest("this pipeline has no audio output (no stage with finalOutput: audio)")
             fmt = body.get("response_format") or "wav"
-            if fmt not in ("wav", "pcm"):
-                raise BadRequest(f"response_format {str(fmt)[:32]!r} is not supported here; use 'wav' or 'pcm'")
+            if fmt not in ("pcm", *media.AUDIO_TYPES):
+                raise BadRequest(f"response_format {str(fmt)[:32]!r} is not supported here; use one of "
+                                 f"{', '.join(('pcm', *media.AUDIO_TYPES))}")
             stream_format = body.get("stream_format") or "audio"
             if stream_format not in ("audio", "sse"):
                 raise BadRequest("'stream_format' must be 'audio' or 'sse'")
@@ -461,12 +464,12 @@ class Api:
                 return error_response(err.status, err.message, err.code)
             seconds = self.limits.max_audio_seconds
             try:
-                data = await asyncio.to_thread(lambda: media.wav(media.join_audio(
-                    [media.audio_of(ev.payload, seconds) for ev in events], seconds)))
+                data = await asyncio.to_thread(lambda: media.encode_audio(media.join_audio(
+                    [media.audio_of(ev.payload, seconds) for ev in events], seconds), fmt))
             except media.MediaError as e:
                 return error_response(502, f"the audio stage sent output that cannot be encoded: {e}",
                                       "bad_output")
-            return web.Response(body=data, content_type="audio/wav")
+            return web.Response(body=data, content_type=media.AUDIO_TYPES[fmt])
         finally:
             self.orch.abort(run)
 
@@ -544,7 +547,7 @@ class Reply:
     def __init__(self, kind: str, token_ids: bool, audio: str | None):
         self.kind = kind
         self.token_ids = token_ids
-        self.audio = audio  # None, "wav" or "pcm16"
+        self.audio = audio  # None, "pcm16" or one of media.AUDIO_TYPES
         self.audio_id = f"audio_{uuid.uuid4().hex[:24]}"
 
 
@@ -553,8 +556,9 @@ def _audio_format(body: dict[str, Any]) -> str:
     if not isinstance(audio, dict):
         raise BadRequest("'audio' must be an object {voice, format}")
     fmt = audio.get("format") or "wav"
-    if fmt not in ("wav", "pcm16"):
-        raise BadRequest(f"audio.format {str(fmt)[:32]!r} is not supported here; use 'wav' or 'pcm16'")
+    if fmt not in (*media.AUDIO_TYPES, "pcm16"):
+        raise BadRequest(f"audio.format {str(fmt)[:32]!r} is not supported here; use one of "
+                         f"{', '.join((*media.AUDIO_TYPES, 'pcm16'))}")
     return fmt
 
 

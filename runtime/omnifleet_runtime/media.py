@@ -1,12 +1,13 @@
-"""Images and audio for the client, made in the master: PNG and WAV encoders, standard library only.
+"""Images and audio for the client, made in the master: PNG and WAV encoders (standard library), FLAC and
+MP3 through libsndfile (soundfile, imported only for those).
 
 Final image stages send uint8 pixels as `wire.Array`s ([n, h, w, c], [h, w, c]
 or [h, w]; c is 1, 2, 3 or 4), bare or as `{"images": ...}` / `{"image": ...}`.
 Final audio stages send samples as `wire.Array`s (float32/float64 in [-1, 1],
 or int16; [samples] or [samples, channels]), bare or as `{"audio": ...,
 "sample_rate": hz}` (`sr` is accepted too; a bare array is 24 kHz). The master
-never imports numpy, torch or Pillow for this: PNG is zlib + struct, WAV is
-the `wave` module. Encoding is CPU work: the API runs it in a worker thread,
+never imports torch for this: PNG is zlib + struct, WAV is the `wave` module,
+FLAC and MP3 are libsndfile's encoders. Encoding is CPU work: the API runs it in a worker thread,
 never on its event loop, and refuses (MediaError) an image of more than
 `max_pixels` or audio of more than `max_seconds` before encoding anything.
 """
@@ -159,4 +160,23 @@ def wav(audio: Audio) -> bytes:
         w.setsampwidth(2)
         w.setframerate(audio.sample_rate)
         w.writeframes(audio.pcm)
+    return buf.getvalue()
+
+
+# Encoded audio formats the API offers: name -> content type.
+AUDIO_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "mp3": "audio/mpeg"}
+
+
+def encode_audio(audio: Audio, fmt: str) -> bytes:
+    """The audio as a file of one of AUDIO_TYPES."""
+    if fmt == "wav":
+        return wav(audio)
+    if fmt not in AUDIO_TYPES:
+        raise MediaError(f"no encoder for {fmt!r}")
+    import numpy
+    import soundfile
+
+    samples = numpy.frombuffer(audio.pcm, dtype="<i2").reshape(-1, audio.channels)
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, audio.sample_rate, format=fmt.upper(), subtype="PCM_16" if fmt == "flac" else None)
     return buf.getvalue()

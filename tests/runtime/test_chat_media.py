@@ -133,3 +133,41 @@ def test_an_allowed_host_is_fetched_by_the_master(make_fleet):
         assert got["entry"] == [{"type": "image", "shape": [4, 4, 3], "dtype": "uint8", "first_pixel": [0, 255, 0]}]
     finally:
         server.shutdown()
+
+
+def test_speech_comes_as_wav_flac_or_mp3_and_chat_audio_too(make_fleet):
+    import soundfile
+    import urllib.request
+
+    fleet = make_fleet(pipeline(stage("text", "upper"), stage("voice", "tone", inputs=["text"], finalOutput="audio")))
+    fleet.start_master()
+    fleet.start_pod("pod-t", "text")
+    fleet.start_pod("pod-v", "voice")
+    fleet.wait_ready()
+
+    def speech(fmt: str) -> tuple[str, bytes]:
+        req = urllib.request.Request(f"{fleet.url}/v1/audio/speech", data=json.dumps(
+            {"model": "test", "input": "hi", "response_format": fmt}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.headers["Content-Type"], resp.read()
+
+    decoded = {}
+    for fmt, ctype in (("wav", "audio/wav"), ("flac", "audio/flac"), ("mp3", "audio/mpeg")):
+        got_type, raw = speech(fmt)
+        assert got_type == ctype, (fmt, got_type)
+        decoded[fmt], rate = soundfile.read(io.BytesIO(raw), dtype="int16")
+        assert rate == 8000, (fmt, rate)
+    assert len(decoded["wav"]) == 8000  # the tone stage's second of audio
+    assert (decoded["flac"] == decoded["wav"]).all()  # lossless: the same 16-bit samples
+    assert len(decoded["mp3"]) >= 8000  # lossy, padded to whole frames
+    status, body = fleet.http("POST", "/v1/audio/speech", {"model": "test", "input": "hi", "response_format": "aac"})
+    assert status == 400 and "use one of pcm, wav, flac, mp3" in body["error"]["message"]
+
+    status, body = fleet.http("POST", "/v1/chat/completions", {
+        "model": "test", "modalities": ["audio"], "audio": {"format": "flac"},
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, body
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(body["choices"][0]["message"]["audio"]["data"])),
+                                   dtype="int16")
+    assert rate == 8000 and (samples == decoded["wav"]).all()
