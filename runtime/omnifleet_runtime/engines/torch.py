@@ -12,7 +12,8 @@ CUDA tensors in the outputs stay on the GPU until a route takes them: a
 co-located torch stage gets a CUDA IPC handle (`wire.CudaIpc`, torch's own
 sharing: the producer's memory stays allocated until the consumer's tensor
 is freed, then goes back to the producer's cache), every other route a host
-copy made in a worker thread. The consumer's tensor is the producer's
+copy made in a worker thread, into pinned memory that torch's caching host
+allocator reuses once the wire has sent it. The consumer's tensor is the producer's
 memory: a module that writes into its input writes there (the producer has
 let it go). A handle whose request is dropped unread is released; one queued
 in an aborted request is reclaimed when the producer's allocator runs short
@@ -97,7 +98,11 @@ class TorchEngine(Engine):
         torch = self.torch
         if not isinstance(v, torch.Tensor):
             return v
-        t = v.detach().to("cpu").contiguous()
+        if v.is_cuda:  # into pinned memory (torch's caching host allocator: reused once the wire lets go)
+            t = torch.empty(tuple(v.shape), dtype=v.dtype, pin_memory=True)
+            t.copy_(v.detach())
+        else:
+            t = v.detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy()  # a view of the tensor's memory, no copy
         return Array(str(t.dtype).removeprefix("torch."), tuple(t.shape), memoryview(raw))
 
