@@ -104,6 +104,14 @@ async def test_losing_one_of_two_masters_costs_only_its_requests(make_fleet):
     out = await clients["m1"].completions.create(model="test", prompt="after")
     assert out.choices[0].text == "AFTER!"
 
+    # The lost master comes back (its pod restarted): the stages register with it again, engines untouched.
+    fleet.procs["m2"].popen.wait(timeout=10)
+    fleet.start_master(name="m2", ports=m2)
+    await asyncio.get_running_loop().run_in_executor(None, lambda: fleet.wait_ready(ports=m2))
+    out = await clients["m2"].completions.create(model="test", prompt="back")
+    assert out.choices[0].text == "BACK!"
+    assert (fleet.dir / "loads.log").read_text() == loads
+
 
 async def test_a_master_started_later_is_found_and_served(make_fleet):
     """The pods' --master lists a master not started yet; the pods serve the first meanwhile, find the second
