@@ -135,6 +135,20 @@ async def abortable(inputs, sampling_params, context):
         raise
 
 
+async def held_upper(inputs, sampling_params, context):
+    """Upper-cases; a prompt starting "hold" first notes its start and waits for the gate (noting an abort):
+    requests held on each of several masters (test_ha.py)."""
+    text = prompt_text(inputs)
+    if text.startswith("hold"):
+        mark(f"held-{text}")
+        try:
+            await wait_for("gate")
+        except asyncio.CancelledError:
+            mark(f"aborted-{text}")
+            raise
+    return text.upper()
+
+
 def echo(inputs, sampling_params, context):
     return inputs
 
@@ -266,18 +280,3 @@ def tone(inputs, sampling_params, context):
         samples = [0.25] * (TONE_RATE // 2)
         yield {"audio": Array("float32", (len(samples),), struct.pack(f"<{len(samples)}f", *samples)),
                "sample_rate": TONE_RATE}
-
-
-# ---- highly available masters (test_ha.py)
-
-async def held_upper(inputs, sampling_params, context):
-    """Upper-cases; a prompt starting "hold" first notes its start and waits for the gate (noting an abort)."""
-    text = prompt_text(inputs)
-    if text.startswith("hold"):
-        mark(f"held-{text}")
-        try:
-            await wait_for("gate")
-        except asyncio.CancelledError:
-            mark(f"aborted-{text}")
-            raise
-    return text.upper()
