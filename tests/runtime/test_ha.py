@@ -38,8 +38,8 @@ async def test_losing_one_of_two_masters_costs_only_its_requests(make_fleet):
     Requests held inside stage a on both masters at the kill tell the two
     sides apart: the killed master's are aborted in the stage at once (before
     the gate opens), the survivor's finish once it opens. Every request on the
-    survivor succeeds; every one on the killed master ends with an error; no
-    stage reloads its engine.
+    survivor succeeds; every one the killed master held, or was sent after,
+    ends with an error; no stage reloads its engine.
     """
     fleet = make_fleet(two_stage_pipeline())
     m2 = (free_port(), free_port(), free_port())
