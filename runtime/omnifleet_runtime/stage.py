@@ -57,6 +57,10 @@ PEER_SOCKETS_MAX = 256
 # Shared-memory files of this pod older than this are leftovers (a reader that died): swept.
 SHM_LEFTOVER_AGE_S = 2 * PENDING_TTL_S
 INPUTS_MAX = 4096  # input chunks of one request waiting for the engine; past it the request fails
+# After a disconnect event, how many times (DISCONNECT_CHECK_S apart) the control socket is checked for a live
+# connection before the event is taken to concern another one (a reconnect attempt that failed its handshake).
+DISCONNECT_CHECKS = 5
+DISCONNECT_CHECK_S = 0.02
 
 
 class Refused(Exception):
@@ -458,6 +462,7 @@ class StageWorker:
         last_seen = next_beat = time.monotonic()
         interval, timeout = self.heartbeat_interval_s, self.heartbeat_timeout_s
         watch = StallWatch(interval)  # this loop wakes at least once per interval
+        checks = 0  # checks of the connection left after a disconnect event
         while True:
             now = time.monotonic()
             if stall := watch.stall(now):
@@ -469,12 +474,22 @@ class StageWorker:
             # Lost only if nothing is waiting: beats may have queued while this loop was busy.
             if now - last_seen > timeout and not await sock.poll(0):
                 return f"no heartbeat from the master for {timeout:g}s"
-            ready = dict(await poller.poll(max(0.0, min(next_beat, last_seen + timeout) - now)
-                                           * 1000 + 1))
+            wait = max(0.0, min(next_beat, last_seen + timeout) - now)
+            ready = dict(await poller.poll((min(wait, DISCONNECT_CHECK_S) if checks else wait) * 1000 + 1))
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    checks = DISCONNECT_CHECKS
+            if checks:
+                # The event names a file descriptor, not this connection: a reconnect attempt that failed
+                # its handshake reports one too, while the registered connection lives. Lost only when no
+                # connection is left (its pipe goes just after the event: checked a few times).
+                if not await self._connected(sock):
                     return "the master's connection closed"
+                checks -= 1
+                if not checks:
+                    log.info("a disconnect event of the control socket to %s left its connection up; "
+                             "the session goes on", session.addr)
             if sock not in ready:
                 continue
             msg = await self._recv_control(sock)
@@ -487,6 +502,14 @@ class StageWorker:
                 self._on_master_message(msg, session)
             except Exception:  # a bug with one request must not end the session
                 log.exception("error handling %s", type(msg).__name__)
+
+    async def _connected(self, sock: zmq.asyncio.Socket) -> bool:
+        """Whether the control socket has a live connection: with `immediate` set, a send succeeds only then."""
+        try:
+            await sock.send_multipart(wire.encode(self._heartbeat()), copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:  # EAGAIN: no connection (or its queue is full: a master that reads nothing)
+            return False
 
     async def _recv_control(self, sock: zmq.asyncio.Socket) -> wire.Msg | None:
         try:
