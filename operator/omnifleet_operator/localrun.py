@@ -3,7 +3,7 @@
 The processes are the ones the operator would create: the renderer's
 Deployments give each container's command, args and env, and the rendered
 ConfigMap is the config file they read. What a cluster provides is mapped to
-loopback: the master Service's DNS name becomes 127.0.0.1, the fixed ports
+loopback: the masters' Service name becomes 127.0.0.1 (one master: its ports are fixed), the fixed ports
 become free ones (stage data ports are picked by each stage process, so no
 two replicas collide), and the downward-API env gets the local pod name.
 Secrets are not at hand locally: the admin port gets a fresh token, printed
@@ -128,7 +128,7 @@ def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], P
             args = _set_arg(args, "--admin-port", str(ports.admin))
             replicas = 1
         else:
-            args = _set_arg(args, "--master", f"127.0.0.1:{control_port}")  # the master Service's DNS name
+            args = _set_arg(args, "--master", f"127.0.0.1:{control_port}")  # the masters' Service name
             args = _set_arg(_set_arg(args, "--data-port", "0"), "--advertise-host", "127.0.0.1")
             # An autoscaled stage has no replicas field; run one.
             replicas = max(dep["spec"].get("replicas", 1), 1)

@@ -12,11 +12,16 @@ DNS_LABEL_MAX = 63
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 MASTER_SUFFIX = "master"
-RESERVED_STAGE_NAMES = {MASTER_SUFFIX, "config", "runtime"}
+MASTERS_SUFFIX = "masters"  # the headless Service listing every master (stages register with each)
+RESERVED_STAGE_NAMES = {MASTER_SUFFIX, MASTERS_SUFFIX, "config", "runtime"}
 
 
 def master_name(pipeline: str) -> str:
     return f"{pipeline}-{MASTER_SUFFIX}"
+
+
+def masters_name(pipeline: str) -> str:
+    return f"{pipeline}-{MASTERS_SUFFIX}"
 
 
 def config_name(pipeline: str) -> str:
@@ -45,8 +50,9 @@ def stage_name(pipeline: str, stage: str) -> str:
     return f"{pipeline}-{stage}"
 
 
-def master_address(pipeline: str, namespace: str) -> str:
-    return f"{master_name(pipeline)}.{namespace}.svc:{C.MASTER_CONTROL_PORT}"
+def masters_address(pipeline: str, namespace: str) -> str:
+    """A stage's --master: the headless Service's name resolves to every master's pod IP."""
+    return f"{masters_name(pipeline)}.{namespace}.svc:{C.MASTER_CONTROL_PORT}"
 
 
 def master_endpoint(pipeline: str, namespace: str, api_port: int) -> str:
@@ -68,7 +74,7 @@ def check_names(doc: OmniPipeline) -> list[Problem]:
             "it names Services",
         ))
         return problems
-    longest = max([MASTER_SUFFIX, "runtime", "config"], key=len)
+    longest = max([MASTER_SUFFIX, MASTERS_SUFFIX, "runtime", "config"], key=len)
     over = len(f"{name}-{longest}") - DNS_LABEL_MAX
     if over > 0:
         problems.append(Problem(

@@ -97,7 +97,8 @@ def master_view(doc: OmniPipeline) -> Obj:
     """
     keep = ROUTING_FIELDS + ("model", "samplingParams")
     d = dump(resolve(doc))["spec"]
-    master = {k: v for k, v in d["master"].items() if k not in POD_ONLY_FIELDS}
+    # Scaling the masters rolls none of them.
+    master = {k: v for k, v in d["master"].items() if k not in POD_ONLY_FIELDS + ("replicas",)}
     return {"model": d.get("model"), "master": master, "security": d["security"],
             "stages": [{k: s[k] for k in keep if k in s} for s in d["stages"]]} | _heartbeat(d)
 
@@ -333,9 +334,10 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None, key
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": metadata(doc, name, labels(doc, C.COMPONENT_MASTER), owner_uid),
         "spec": {
-            "replicas": 1,
-            # One master at a time: two would split the stages' registrations.
-            "strategy": {"type": "Recreate"},
+            "replicas": doc.spec.master.replicas,
+            # Every stage replica registers with every master (through the masters' headless Service), so
+            # a new master serves beside the old ones, and an old one drains on SIGTERM what it holds.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector(doc, C.COMPONENT_MASTER)},
             "template": template,
@@ -370,6 +372,37 @@ def build_master_service(doc: OmniPipeline, owner_uid: str | None = None) -> Obj
     }
 
 
+def build_masters_service(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
+    """Headless: its name resolves to every master's pod IP, and each stage replica registers with each.
+
+    Not-ready masters are listed too: a master is ready once it listens (its readiness is /health), and
+    a master failing its probe under load must keep its stages, not lose them to a DNS change.
+    """
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": metadata(doc, names.masters_name(doc.metadata.name), labels(doc, C.COMPONENT_MASTER), owner_uid),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(doc, C.COMPONENT_MASTER),
+            "ports": [{"name": C.PORT_NAME_CONTROL, "port": C.MASTER_CONTROL_PORT,
+                       "targetPort": C.PORT_NAME_CONTROL, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_master_pdb(doc: OmniPipeline, owner_uid: str | None = None) -> Obj | None:
+    """With several masters, a node drain or the cluster autoscaler takes them one at a time (one master
+    alone has no spare: a PDB would only block drains)."""
+    if doc.spec.master.replicas < 2:
+        return None
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": metadata(doc, names.master_name(doc.metadata.name), labels(doc, C.COMPONENT_MASTER), owner_uid),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(doc, C.COMPONENT_MASTER)}},
+    }
+
+
 def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None = None,
                            keys_hash: str | None = None) -> Obj:
     resolved = resolve(doc)
@@ -379,7 +412,7 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
     args = ["stage", "--config", C.CONFIG_PATH]
     for s in group:
         args += ["--stage", s.name]
-    args += ["--master", names.master_address(p, namespace_of(doc))]
+    args += ["--master", names.masters_address(p, namespace_of(doc))]
     ports = [{"name": names.data_port_name(i), "containerPort": C.STAGE_DATA_PORT + i, "protocol": "TCP"}
              for i in range(len(group))]
     ports.append({"name": C.PORT_NAME_HEALTH, "containerPort": C.STAGE_HEALTH_PORT, "protocol": "TCP"})
@@ -409,7 +442,7 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
         "resources": resources_of([s.resources for s in group], h.gpus),
         # Started: every engine loaded. The probe outlasts the engines' own start timeout (they load at
         # once, one process each), which stops a load that hangs with the reason in its last log line.
-        # Ready: registered with the master and not draining, so ready replicas are registered ones.
+        # Ready: registered with a master and not draining, so ready replicas are registered ones.
         "startupProbe": http_probe("/startedz", C.PORT_NAME_HEALTH, 10, startup_failures(group)),
         "readinessProbe": http_probe("/readyz", C.PORT_NAME_HEALTH, 5, 3),
         "livenessProbe": http_probe("/livez", C.PORT_NAME_HEALTH, 10, 6),
@@ -614,6 +647,8 @@ def desired(doc: OmniPipeline, owner_uid: str | None = None, keys_hash: str | No
         *filter(None, [build_egress_policy(doc, owner_uid)]),
         build_master_deployment(doc, owner_uid, keys_hash),
         build_master_service(doc, owner_uid),
+        build_masters_service(doc, owner_uid),
+        *filter(None, [build_master_pdb(doc, owner_uid)]),
     ]
     for host in doc.spec.hosts():
         objs += [

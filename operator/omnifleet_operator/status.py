@@ -167,7 +167,8 @@ class StageView:
 
 def stage_views(doc: OmniPipeline, observed: Observed) -> list[StageView]:
     p = doc.metadata.name
-    views = [StageView("master", names.master_name(p), 1, observed.deployments.get(names.master_name(p)))]
+    views = [StageView("master", names.master_name(p), doc.spec.master.replicas,
+                       observed.deployments.get(names.master_name(p)))]
     for host in doc.spec.hosts():
         dname = names.stage_name(p, host.name)
         dep = observed.deployments.get(dname)

@@ -143,7 +143,10 @@ def stage(argv: list[str]) -> int:
     )
     p.add_argument("--config", default=C.CONFIG_PATH, help="pipeline file (default: %(default)s)")
     p.add_argument("--stage", action="append", required=True, help="stage to run (repeat to co-locate)")
-    p.add_argument("--master", required=True, help="HOST:PORT of the master's control port")
+    p.add_argument("--master", required=True,
+                   help="HOST:PORT of the masters' control port, comma-separated for several; a HOST that "
+                        "resolves to several addresses (a headless Service) names a master at each, "
+                        "resolved again every few seconds; the stage registers with every master")
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     p.add_argument("--data-port", type=int, default=C.STAGE_DATA_PORT,
                    help="data port of the first stage; co-located stages add their index; 0 picks free ports "
@@ -170,6 +173,12 @@ def stage(argv: list[str]) -> int:
     if len(set(args.stage)) != len(args.stage):
         sys.exit("omnifleet: a stage is named more than once")
     interval, timeout = _heartbeat(doc, args)
+    from .discovery import BadMasterList, parse_masters
+
+    try:
+        parse_masters(args.master)
+    except BadMasterList as e:
+        sys.exit(f"omnifleet: --master: {e}")
     from .pod import Pod, WorkerSpec
     from .security import keys_dir
 
@@ -177,7 +186,7 @@ def stage(argv: list[str]) -> int:
     advertise = args.advertise_host or _default_advertise_host()
     workers = [
         WorkerSpec(
-            config_path=args.config, stage=name, replica=replica, master_addr=f"tcp://{args.master}",
+            config_path=args.config, stage=name, replica=replica, masters=args.master,
             host=args.host, data_port=args.data_port + i if args.data_port else 0, advertise_host=advertise,
             drain_timeout_s=args.drain_timeout, log_level=args.log_level,
             keys_dir=keys_dir(args.keys_dir), max_frame_bytes=args.max_frame_bytes,

@@ -4,8 +4,8 @@
 two processes sharing the pod's GPUs and /dev/shm. This parent process
 serves the pod's probes (`/livez`: every worker is alive, its engine too; `/startedz`: every
 engine is loaded; `/readyz`: every worker has its engine loaded, is registered
-with the master and is not draining, so a ready pod is one the master routes
-to) and, on the metrics port, the
+with at least one master and is not draining, so a ready pod is one a master routes
+to; stage.py says why one master is enough) and, on the metrics port, the
 workers' series merged (each labelled with its stage), forwards SIGTERM to the
 workers (which drain), and ends the pod when a worker dies, so Kubernetes
 restarts it whole.
@@ -42,7 +42,7 @@ class WorkerSpec:
     config_path: str
     stage: str
     replica: str
-    master_addr: str
+    masters: str  # HOST:PORT[,HOST:PORT...] of the masters' control ports (discovery.py)
     host: str
     data_port: int
     advertise_host: str
@@ -70,7 +70,7 @@ def _worker_main(spec: WorkerSpec, ready, metrics_port, registered, engine_died)
     doc = load_config(spec.config_path)
     interval, timeout = heartbeat(doc, spec.heartbeat_interval_s, spec.heartbeat_timeout_s)
     worker = StageWorker(
-        doc, spec.stage, spec.replica, spec.master_addr, config_hash(doc, spec.stage), host=spec.host,
+        doc, spec.stage, spec.replica, spec.masters, config_hash(doc, spec.stage), host=spec.host,
         data_port=spec.data_port, advertise_host=spec.advertise_host, drain_timeout_s=spec.drain_timeout_s,
         keys=Keys.load(spec.keys_dir), max_frame_bytes=spec.max_frame_bytes,
         heartbeat_interval_s=interval, heartbeat_timeout_s=timeout,
@@ -96,7 +96,7 @@ class Pod:
         ctx = mp.get_context("spawn")  # no fork: a fresh interpreter per engine (CUDA needs it)
         self.ready = [ctx.Event() for _ in workers]
         self.worker_metrics = [ctx.Value("i", 0, lock=False) for _ in workers]  # each worker's loopback port
-        # 1 while the worker is registered with the master and takes work (its worker writes it).
+        # 1 while the worker is registered with a master and takes work (its worker writes it).
         self.registered = [ctx.Value("b", 0, lock=False) for _ in workers]
         # 1 once the worker's engine died: the pod is not live from then on, while the worker winds down.
         self.engine_died = [ctx.Value("b", 0, lock=False) for _ in workers]

@@ -357,6 +357,10 @@ class Master(Model):
         ),
         description="Master container resources. Default: requests cpu 1, memory 2Gi; limits memory 4Gi.",
     )
+    replicas: int = Field(
+        1, ge=1, le=16,
+        description="Masters serving at once behind the master Service; every stage replica registers with each. "
+        "A lost master costs only the requests it holds. Above 1 the masters get a PodDisruptionBudget.")
     api_port: int = Field(C.MASTER_API_PORT, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
     service_type: ServiceType = Field("ClusterIP", description="Type of the master Service.")
     env: list[EnvVar] = Field(default_factory=list, max_length=128, description="Extra environment variables.")

@@ -1,11 +1,14 @@
 """One stage replica: an engine behind a control connection and a data port.
 
 The worker loads its engine once, binds its data port (a PULL socket that
-upstream stages push chunks to), connects out to the master and registers.
-When the master goes away (its connection closes, or no heartbeat) or
-forgets it (Reset), the worker
-aborts what it was doing for that master and registers again on a fresh
-connection (so a moved master is resolved anew); the engine stays loaded.
+upstream stages push chunks to), connects out to every master and registers
+with each (one session per master: its own connection, heartbeats and
+reconnect loop; discovery.py finds the masters, again every few seconds).
+A job belongs to the master that dispatched it: its outputs, Done and
+control replies go to that master only. When a master goes away (its
+connection closes, or no heartbeat) or forgets it (Reset), the worker aborts
+that master's jobs only, and registers again on a fresh connection; the
+other masters' work goes on, and the engine stays loaded.
 
 Per request (a Dispatch), the worker gathers its inputs (the client request
 for the entry stage, upstream Data chunks otherwise), runs them through the
@@ -40,7 +43,7 @@ from aiohttp import web
 from zmq.utils.monitor import parse_monitor_message
 
 from . import constants as C
-from . import security, shm, tracing, wire
+from . import discovery, security, shm, tracing, wire
 from .engines import BadInput, Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .metrics import CONTENT_TYPE, StageMetrics, audio_seconds
 from .schema import OmniPipeline
@@ -55,10 +58,27 @@ PEER_SOCKETS_MAX = 256
 # Shared-memory files of this pod older than this are leftovers (a reader that died): swept.
 SHM_LEFTOVER_AGE_S = 2 * PENDING_TTL_S
 INPUTS_MAX = 4096  # input chunks of one request waiting for the engine; past it the request fails
+# After a disconnect event, how many times (DISCONNECT_CHECK_S apart) the control socket is checked for a live
+# connection before the event is taken to concern another one (a reconnect attempt that failed its handshake).
+DISCONNECT_CHECKS = 5
+DISCONNECT_CHECK_S = 0.02
 
 
 class Refused(Exception):
     pass
+
+
+@dataclass(eq=False)
+class MasterSession:
+    """This replica's registration with one master (one address found by discovery)."""
+
+    addr: str  # tcp://IP:PORT
+    # Still among the masters found. One no longer found keeps serving while its connection lives (a
+    # draining master leaves DNS first, then finishes what it holds) and is not dialled again.
+    wanted: bool = True
+    sock: zmq.asyncio.Socket | None = None  # set while registered
+    master_id: str = ""
+    task: asyncio.Task | None = None
 
 
 def start_watchdog(stage: str, timeout_s: float) -> threading.Event:
@@ -133,6 +153,7 @@ class Job:
     audio_s: float = 0.0
     span: Any = None  # this attempt's trace span here; one child per route in `transfers`
     transfers: dict[str, list] = field(default_factory=dict)  # route -> [span, bytes, chunks]
+    session: MasterSession | None = None  # the master that dispatched it: the only one told about it
 
     @property
     def key(self) -> tuple[str, int]:
@@ -153,7 +174,7 @@ class StageWorker:
         doc: OmniPipeline,
         stage: str,
         replica: str,
-        master_addr: str,
+        masters: str,
         config_hash: str,
         host: str = "0.0.0.0",
         data_port: int = C.STAGE_DATA_PORT,
@@ -173,7 +194,8 @@ class StageWorker:
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.stage = doc.spec.stage(stage)
         self.replica = replica
-        self.master_addr = master_addr
+        self.masters = discovery.parse_masters(masters)  # HOST:PORT[,HOST:PORT...], as --master gives them
+        self.sessions: dict[str, MasterSession] = {}  # by address
         self.config_hash = config_hash
         self.host, self.data_port, self.advertise_host = host, data_port, advertise_host
         self.drain_timeout_s = drain_timeout_s
@@ -187,7 +209,6 @@ class StageWorker:
         self.bytes = {"tcp": 0, "shm": 0, "cuda_ipc": 0, "master": 0}
         self.queued = 0
         self.slots: asyncio.Semaphore | None = None
-        self.master: zmq.asyncio.Socket | None = None
         self.stopping = asyncio.Event()
         self.control_tasks: set[asyncio.Task] = set()
         self.draining = False
@@ -245,7 +266,7 @@ class StageWorker:
         metrics_runner = await self._serve_metrics(on_metrics)
         if on_ready:
             on_ready()
-        tasks = [loop.create_task(self._session_loop()), loop.create_task(self._data_loop()),
+        tasks = [loop.create_task(self._masters_loop()), loop.create_task(self._data_loop()),
                  loop.create_task(self._gc_loop()), loop.create_task(self._engine_watch())]
         await self.stopping.wait()
         if self.exit_code == 0:
@@ -258,7 +279,7 @@ class StageWorker:
         except Exception as e:  # a dead engine may fail to shut down; the exit code already says why
             log.warning("engine shutdown failed: %s: %s", type(e).__name__, e)
         await metrics_runner.cleanup()
-        for sock in [self.data, self.master, *self.peers.values()]:
+        for sock in [self.data, *self.peers.values()]:
             if sock is not None:
                 sock.close(linger=0)
         self.auth.stop()
@@ -285,14 +306,14 @@ class StageWorker:
         self.draining = True
         self._set_registered(False)
         log.info("SIGTERM: draining %d request(s), up to %.0fs", len(self.jobs), self.drain_timeout_s)
-        await self._send_master(self._heartbeat(), block=False)  # the master stops routing here at once
+        await self._broadcast(self._heartbeat())  # the masters stop routing here at once
         deadline = time.monotonic() + self.drain_timeout_s
         while self.jobs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.jobs:
             log.warning("drain deadline passed; aborting %d request(s)", len(self.jobs))
             self._abort_all()
-        await self._send_master(wire.Deregister("shutting down"), block=False)
+        await self._broadcast(wire.Deregister("shutting down"))
         log.info("drained; exiting")
 
     async def _engine_watch(self) -> None:
@@ -313,7 +334,7 @@ class StageWorker:
         self._set_registered(False)
         if self.on_engine_died is not None:
             self.on_engine_died()
-        await self._send_master(wire.Deregister(f"engine died: {reason}"), block=False)
+        await self._broadcast(wire.Deregister(f"engine died: {reason}"))
         self._abort_all()
         self.stopping.set()
 
@@ -326,12 +347,12 @@ class StageWorker:
             dropped=self.dropped,
         )
 
-    async def _send_master(self, msg: wire.Msg, block: bool = True) -> None:
-        await self._send_master_frames(wire.encode(msg), block)
+    async def _send_master(self, msg: wire.Msg, session: MasterSession | None, block: bool = True) -> None:
+        await self._send_master_frames(wire.encode(msg), session, block)
 
-    async def _send_master_frames(self, frames: list, block: bool = True) -> None:
-        """Send to the master; block=False drops the message while the master is unreachable."""
-        sock = self.master
+    async def _send_master_frames(self, frames: list, session: MasterSession | None, block: bool = True) -> None:
+        """Send to one master; block=False drops the message while that master is unreachable."""
+        sock = session.sock if session is not None else None
         if sock is None or sock.closed:
             return
         try:
@@ -339,11 +360,61 @@ class StageWorker:
         except zmq.Again:
             pass  # heartbeats are not queued while the master is unreachable
         except zmq.ZMQError as e:
-            log.debug("send to master failed: %s", e)
+            log.debug("send to master %s failed: %s", session.addr, e)
 
-    async def _session_loop(self) -> None:
+    async def _broadcast(self, msg: wire.Msg) -> None:
+        """To every master this replica is registered with (what they all must know: draining, leaving)."""
+        frames = wire.encode(msg)
+        for session in list(self.sessions.values()):
+            await self._send_master_frames(frames, session, block=False)
+
+    def _update_registered(self) -> None:
+        # Ready (in the pod's /readyz) while registered with at least one master, not with all: every
+        # master keeps its own membership and routes only to replicas registered with it, so a pod
+        # registered anywhere is serving; asking for all would make one dead or unreachable master
+        # take every stage pod out of its Service and stall every rollout, the opposite of HA.
+        self._set_registered(not self.draining and any(s.sock is not None for s in self.sessions.values()))
+
+    async def _masters_loop(self) -> None:
+        """Keep one session per master found: find the masters again every few seconds."""
+        try:
+            while True:
+                found = await discovery.resolve(self.masters)
+                if found is not None:
+                    self._reconcile_sessions(found)
+                await asyncio.sleep(discovery.MASTER_RESOLVE_INTERVAL_S)
+        finally:
+            tasks = [s.task for s in self.sessions.values() if s.task is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _reconcile_sessions(self, found: set[str]) -> None:
+        for addr, session in list(self.sessions.items()):
+            if session.task.done():  # ended for good: no longer found, draining, or a bug
+                if not session.task.cancelled() and (e := session.task.exception()) is not None:
+                    log.error("session with master %s failed", addr, exc_info=e)
+                del self.sessions[addr]
+            elif addr not in found:
+                if session.wanted:
+                    log.info("master %s is no longer found; %s", addr,
+                             "serving it while its connection lives" if session.sock else "no longer dialled")
+                session.wanted = False
+                if session.sock is None:  # not registered: nothing of its to finish
+                    session.task.cancel()
+            else:
+                session.wanted = True
+        if self.draining:  # a draining worker takes no new master
+            return
+        for addr in sorted(found - self.sessions.keys()):
+            session = self.sessions[addr] = MasterSession(addr)
+            session.task = asyncio.get_running_loop().create_task(self._session_loop(session))
+            log.info("found master %s", addr)
+
+    async def _session_loop(self, session: MasterSession) -> None:
         backoff = 0.0
-        while not self.draining:  # a draining worker with no master has nothing left to finish
+        # A draining worker with no master has nothing left to finish; one no longer found is not dialled.
+        while not self.draining and session.wanted:
             await asyncio.sleep(backoff)
             sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0
@@ -351,17 +422,17 @@ class StageWorker:
             security.secure_client(sock, self.keys, security.CURVE, C.MAX_CONTROL_FRAME_BYTES)  # control: always CURVE
             sock.routing_id = f"{self.stage.name}/{self.replica}/{uuid.uuid4().hex[:8]}".encode()
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(self.master_addr)
+            sock.connect(session.addr)
             try:
-                master_id = await self._register(sock)
-                self.master = sock
-                self._set_registered(not self.draining)
-                log.info("registered with master %s at %s", master_id, self.master_addr)
-                why = await self._serve_master(sock, monitor)
-                log.warning("master session ended (%s); registering again", why)
+                session.master_id = await self._register(sock)
+                session.sock = sock
+                self._update_registered()
+                log.info("registered with master %s at %s", session.master_id, session.addr)
+                why = await self._serve_master(sock, monitor, session)
+                log.warning("master session ended (%s); registering again at %s", why, session.addr)
                 backoff = 0.0
             except Refused as e:
-                log.error("registration refused: %s", e)
+                log.error("registration refused by the master at %s: %s", session.addr, e)
                 if "protocol version" in str(e):
                     self.exit_code = C.EXIT_PROTOCOL_MISMATCH
                     self.stopping.set()
@@ -369,9 +440,9 @@ class StageWorker:
                 # An old connection of this replica not yet closed at the master: soon gone.
                 backoff = 1.0 if "already registered" in str(e) else 5.0
             finally:
-                self.master = None
-                self._set_registered(False)
-                self._abort_all()  # whatever the old master sent us can no longer be delivered
+                session.sock = None
+                self._update_registered()
+                self._abort_session(session)  # whatever that master sent us can no longer be delivered
                 sock.disable_monitor()
                 monitor.close(linger=0)
                 sock.close(linger=500 if self.draining else 0)  # let a Deregister leave
@@ -398,7 +469,8 @@ class StageWorker:
                         raise Refused(msg.reason)
                     return msg.master_id
 
-    async def _serve_master(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> str:
+    async def _serve_master(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket,
+                            session: MasterSession) -> str:
         """Handle the master's messages until it is lost; returns why the session ended."""
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -406,23 +478,34 @@ class StageWorker:
         last_seen = next_beat = time.monotonic()
         interval, timeout = self.heartbeat_interval_s, self.heartbeat_timeout_s
         watch = StallWatch(interval)  # this loop wakes at least once per interval
+        checks = 0  # checks of the connection left after a disconnect event
         while True:
             now = time.monotonic()
             if stall := watch.stall(now):
                 log.warning("this stage's event loop stalled for %.1fs", stall)
                 last_seen += stall
             if now >= next_beat:
-                await self._send_master(self._heartbeat(), block=False)
+                await self._send_master(self._heartbeat(), session, block=False)
                 next_beat = now + interval
             # Lost only if nothing is waiting: beats may have queued while this loop was busy.
             if now - last_seen > timeout and not await sock.poll(0):
                 return f"no heartbeat from the master for {timeout:g}s"
-            ready = dict(await poller.poll(max(0.0, min(next_beat, last_seen + timeout) - now)
-                                           * 1000 + 1))
+            wait = max(0.0, min(next_beat, last_seen + timeout) - now)
+            ready = dict(await poller.poll((min(wait, DISCONNECT_CHECK_S) if checks else wait) * 1000 + 1))
             if monitor in ready:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    checks = DISCONNECT_CHECKS
+            if checks:
+                # The event names a file descriptor, not this connection: a reconnect attempt that failed
+                # its handshake reports one too, while the registered connection lives. Lost only when no
+                # connection is left (its pipe goes just after the event: checked a few times).
+                if not await self._connected(sock):
                     return "the master's connection closed"
+                checks -= 1
+                if not checks:
+                    log.info("a disconnect event of the control socket to %s left its connection up; "
+                             "the session goes on", session.addr)
             if sock not in ready:
                 continue
             msg = await self._recv_control(sock)
@@ -432,9 +515,17 @@ class StageWorker:
             if isinstance(msg, wire.Reset):
                 return f"reset by the master: {msg.reason}"
             try:
-                self._on_master_message(msg)
+                self._on_master_message(msg, session)
             except Exception:  # a bug with one request must not end the session
                 log.exception("error handling %s", type(msg).__name__)
+
+    async def _connected(self, sock: zmq.asyncio.Socket) -> bool:
+        """Whether the control socket has a live connection: with `immediate` set, a send succeeds only then."""
+        try:
+            await sock.send_multipart(wire.encode(self._heartbeat()), copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:  # EAGAIN: no connection (or its queue is full: a master that reads nothing)
+            return False
 
     async def _recv_control(self, sock: zmq.asyncio.Socket) -> wire.Msg | None:
         try:
@@ -452,28 +543,38 @@ class StageWorker:
             self.metrics.rejected_frames.inc(stage=self.stage.name, socket="control")
             return None
 
-    def _on_master_message(self, msg: wire.Msg) -> None:
+    def _on_master_message(self, msg: wire.Msg, session: MasterSession) -> None:
         if isinstance(msg, wire.Dispatch):
-            self._start_job(msg)
+            self._start_job(msg, session)
         elif isinstance(msg, wire.Abort):
             job = self.jobs.get((msg.request_id, msg.attempt))
+            if job is not None and job.session is not session:
+                log.warning("ignored Abort of %s from a master that did not dispatch it", msg.request_id)
+                return
             self._drop_pending(self.pending.pop((msg.request_id, msg.attempt), []))
             if job is not None and job.task is not None:
                 job.task.cancel()
         elif isinstance(msg, wire.Control):
-            task = asyncio.get_running_loop().create_task(self._control(msg))
+            task = asyncio.get_running_loop().create_task(self._control(msg, session))
             self.control_tasks.add(task)
             task.add_done_callback(self.control_tasks.discard)
         elif not isinstance(msg, (wire.MasterHeartbeat, wire.RegisterReply)):
             log.warning("rejected unexpected %s from the master", type(msg).__name__)
 
-    async def _control(self, msg: wire.Control) -> None:
+    async def _control(self, msg: wire.Control, session: MasterSession) -> None:
         try:
             result = await self.engine.control(msg.method, msg.args)
             frames = wire.encode(wire.ControlReply(msg.call_id, True, result))
         except Exception as e:  # the engine's failure, or a result the wire cannot carry
             frames = wire.encode(wire.ControlReply(msg.call_id, False, error=f"{type(e).__name__}: {e}"))
-        await self._send_master_frames(frames)
+        await self._send_master_frames(frames, session)  # the caller's master; no other knows the call
+
+    def _abort_session(self, session: MasterSession) -> None:
+        """That master is gone: its jobs go, every other master's go on. Early data (its Dispatch not
+        here yet) names no master: the GC sweeps what no Dispatch claims."""
+        for job in list(self.jobs.values()):
+            if job.session is session and job.task is not None:
+                job.task.cancel()
 
     def _abort_all(self) -> None:
         for job in list(self.jobs.values()):
@@ -496,12 +597,12 @@ class StageWorker:
 
     # ------------------------------------------------------------ requests
 
-    def _start_job(self, msg: wire.Dispatch) -> None:
+    def _start_job(self, msg: wire.Dispatch, session: MasterSession) -> None:
         key = (msg.request_id, msg.attempt)
         if key in self.jobs or msg.stage != self.stage.name:
             log.warning("ignored Dispatch %s for stage %s", key, msg.stage)
             return
-        job = Job(msg, waiting=set(msg.inputs), whole={u: [] for u in msg.inputs})
+        job = Job(msg, waiting=set(msg.inputs), whole={u: [] for u in msg.inputs}, session=session)
         job.span = tracing.start(f"process {msg.stage}", tracing.extract(msg.traceparent), {
             "omnifleet.stage": msg.stage, "omnifleet.replica": self.replica, "omnifleet.attempt": msg.attempt,
             "omnifleet.request_id": msg.request_id})
@@ -591,7 +692,8 @@ class StageWorker:
                 error, bad_input = f"{type(e).__name__}: {e}", isinstance(e, BadInput)
                 log.warning("request %s failed: %s", msg.request_id, error)
             outcome = "ok" if error is None else "error"
-            await self._send_master(wire.Done(msg.request_id, msg.attempt, self.stage.name, seq, error, bad_input))
+            await self._send_master(wire.Done(msg.request_id, msg.attempt, self.stage.name, seq, error, bad_input),
+                                    job.session)
         except asyncio.CancelledError:  # aborted by the master, or it is gone: no Done expected
             if self.engine.dead() is None:  # a dead engine holds nothing to free
                 await self.engine.abort(msg.request_id)
@@ -680,7 +782,7 @@ class StageWorker:
             self.bytes["master"] += wire.frames_nbytes(frames)
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route="master", path="tcp")
             self._transfer(job, "master", "tcp", wire.frames_nbytes(frames))
-            sock = self.master
+            sock = job.session.sock if job.session is not None else None
             if sock is None:
                 raise ConnectionError("the master is gone")
             await sock.send_multipart(frames, copy=False)

@@ -145,6 +145,7 @@ class Fleet:
         self.config.write_text(yaml.safe_dump(doc))
         self.api_port, self.control_port, self.admin_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.api_port}"
+        self.master_arg = f"127.0.0.1:{self.control_port}"  # the pods' --master (several masters: a list)
         self.admin_token = secrets.token_urlsafe(24)
         self.procs: dict[str, Proc] = {}
         self.health_ports: dict[str, int] = {}
@@ -158,18 +159,19 @@ class Fleet:
 
     # ---- processes
 
-    def start_master(self, *extra: str) -> Proc:
+    def start_master(self, *extra: str, name: str = "master", ports: tuple[int, int, int] | None = None) -> Proc:
+        """ports: (api, control, admin) of another master of this fleet (default: the fleet's own)."""
+        api, control, admin = ports or (self.api_port, self.control_port, self.admin_port)
         args = ["master", "--config", str(self.config), "--host", "127.0.0.1",
-                "--api-port", str(self.api_port), "--control-port", str(self.control_port),
-                "--admin-port", str(self.admin_port), *extra]
-        return self._start("master", args, {"OMNIFLEET_ADMIN_TOKEN": self.admin_token, **self.env})
+                "--api-port", str(api), "--control-port", str(control), "--admin-port", str(admin), *extra]
+        return self._start(name, args, {"OMNIFLEET_ADMIN_TOKEN": self.admin_token, **self.env})
 
     def start_pod(self, pod: str, *stages: str, extra: tuple[str, ...] = (), python: str | None = None) -> Proc:
         """python: another interpreter for the pod (a stage image of its own, such as vLLM-Omni's)."""
         self.pod_stages[pod] = list(stages)
         self.health_ports[pod] = port = free_port()
         self.metrics_ports[pod] = free_port()
-        args = ["stage", "--config", str(self.config), "--master", f"127.0.0.1:{self.control_port}",
+        args = ["stage", "--config", str(self.config), "--master", self.master_arg,
                 "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--data-port", "0",
                 "--health-port", str(port), "--metrics-port", str(self.metrics_ports[pod]), *extra]
         for s in stages:
@@ -242,28 +244,31 @@ class Fleet:
         except OSError:
             return None
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 30.0, ports: tuple[int, int, int] | None = None) -> None:
+        """ports: those of another master of this fleet, as start_master took them (default: the fleet's own)."""
+        api, _, admin = ports or (self.api_port, self.control_port, self.admin_port)
+
         def ready():
             for name, proc in self.procs.items():
                 assert proc.alive() or proc.killed, f"{name} exited with {proc.popen.returncode}:\n{proc.output()}"
-            r = self.try_get("/ready")
+            r = self.try_get("/ready", port=api)
             if r is None or r[0] != 200:
                 return False
-            registered = {(s, r["replica"]) for s, reps in self.stages().items() for r in reps}
+            registered = {(s, r["replica"]) for s, reps in self.stages(admin).items() for r in reps}
             return all((s, pod) in registered for pod, stages in self.pod_stages.items()
                        if not self.procs[pod].killed for s in stages)
         wait_until(ready, "the pipeline to become ready with every started replica", timeout)
 
-    def admin(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """A call to the master's admin port, with its token."""
-        return self.http(method, path, body, port=self.admin_port,
+    def admin(self, method: str, path: str, body: Any = None, port: int | None = None) -> tuple[int, Any]:
+        """A call to the master's admin port (or another master's), with its token."""
+        return self.http(method, path, body, port=port or self.admin_port,
                          headers={"Authorization": f"Bearer {self.admin_token}"})
 
     def control(self, stage: str, body: dict[str, Any]) -> tuple[int, Any]:
         return self.admin("POST", f"/v1/stages/{stage}/control", body)
 
-    def stages(self) -> dict[str, list[dict[str, Any]]]:
-        return self.admin("GET", "/v1/stages")[1]["stages"]
+    def stages(self, admin_port: int | None = None) -> dict[str, list[dict[str, Any]]]:
+        return self.admin("GET", "/v1/stages", port=admin_port)[1]["stages"]
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of a metric whose labels include the given ones."""

@@ -136,6 +136,20 @@ async def abortable(inputs, sampling_params, context):
         raise
 
 
+async def held_upper(inputs, sampling_params, context):
+    """Upper-cases; a prompt starting "hold" first notes its start and waits for the gate (noting an abort):
+    requests held on each of several masters (test_ha.py)."""
+    text = prompt_text(inputs)
+    if text.startswith("hold"):
+        mark(f"held-{text}")
+        try:
+            await wait_for("gate")
+        except asyncio.CancelledError:
+            mark(f"aborted-{text}")
+            raise
+    return text.upper()
+
+
 def echo(inputs, sampling_params, context):
     return inputs
 

@@ -74,6 +74,33 @@ def test_scaling_never_changes_a_template():
     assert template_hash(before, "speech-talker") == template_hash(after, "speech-talker")
 
 
+def test_scaling_the_masters_rolls_nothing_and_adds_a_pdb():
+    one = render(sample("speech"))
+    assert one[("Deployment", "speech-master")]["spec"]["replicas"] == 1  # the schema's default
+    assert ("PodDisruptionBudget", "speech-master") not in one  # one master has no spare to keep
+    doc = sample("speech")
+    doc["spec"]["master"] = {"replicas": 3}
+    three = render(doc)
+    dep = three[("Deployment", "speech-master")]["spec"]
+    assert dep["replicas"] == 3
+    assert dep["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert three[("PodDisruptionBudget", "speech-master")]["spec"] == {
+        "maxUnavailable": 1, "selector": {"matchLabels": dep["selector"]["matchLabels"]}}
+    for name in ("speech-master", "speech-thinker", "speech-talker"):
+        assert template_hash(one, name) == template_hash(three, name), name
+
+
+def test_stages_find_every_master_through_a_headless_service():
+    objs = render(sample("speech"))
+    svc = objs[("Service", "speech-masters")]["spec"]
+    master = objs[("Deployment", "speech-master")]["spec"]
+    assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+    assert svc["selector"] == master["selector"]["matchLabels"]
+    assert [p["port"] for p in svc["ports"]] == [C.MASTER_CONTROL_PORT]
+    args = objs[("Deployment", "speech-thinker")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--master") + 1] == f"speech-masters.default.svc:{C.MASTER_CONTROL_PORT}"
+
+
 def test_sampling_defaults_roll_the_master_not_the_stages():
     before = render(sample("speech"))
     doc = sample("speech")
@@ -166,7 +193,7 @@ def test_namespace_flows_into_master_address():
     doc["metadata"]["namespace"] = "ml"
     objs = render(doc)
     args = objs[("Deployment", "chat-llm")]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[-1] == "chat-master.ml.svc:5570"
+    assert args[-1] == "chat-masters.ml.svc:5570"  # the headless Service: every master
     assert all(o["metadata"]["namespace"] == "ml" for o in objs.values())
 
 

@@ -150,6 +150,15 @@ def test_autoscaled_stage_desired_comes_from_the_live_deployment():
     assert next(s for s in st["stages"] if s["name"] == "llm")["desiredReplicas"] == 5
 
 
+def test_several_masters_are_ready_only_when_all_are():
+    raw = yaml.safe_load((REPO / "manifests/samples/speech.yaml").read_text())
+    raw["spec"]["master"] = {"replicas": 2}
+    doc, problems = check_document(raw)
+    assert not problems
+    assert status(Observed(all_ready(**dict([dep("speech-master", 2, ready=1)]))), doc=doc)["phase"] != "Ready"
+    assert status(Observed(all_ready(**dict([dep("speech-master", 2)]))), doc=doc)["phase"] == "Ready"
+
+
 def test_events_only_on_transitions():
     ready = status(Observed(all_ready()))
     assert [(e.type, e.reason) for e in transition_events(None, ready)] == [("Normal", "Ready")]
