@@ -70,12 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=13, help="the pod picks' random seed (default: %(default)s)")
     p.add_argument("--out", type=Path, default=C.RESULTS)
+    p.add_argument("--log", type=Path, help="keep the test's output here (default: a temporary file)")
     args = p.parse_args(argv)
     facts = C.machine_facts()
     facts["command"] = " ".join([".venv/bin/python -m bench.chaos", *(argv or [])])
     prov = C.provenance("chaos")
     with tempfile.TemporaryDirectory(prefix="omnifleet-chaos-") as tmp:
-        results, log = Path(tmp) / "counts.json", Path(tmp) / "pytest.log"
+        results, log = Path(tmp) / "counts.json", args.log or Path(tmp) / "pytest.log"
         t0 = time.monotonic()
         C.log(f"running {TEST} (seed {args.seed}); its output: {log}")
         code = run_test(args.seed, results, log)

@@ -62,7 +62,8 @@ class Outcome:
 def master_address(kube: Kube, namespace: str, pipeline: str) -> tuple[str, int]:
     svc = kube.get("Service", namespace, f"{pipeline}-master")
     assert svc, f"no Service {namespace}/{pipeline}-master"
-    return svc["spec"]["clusterIP"], C.MASTER_API_PORT
+    (port,) = [p["port"] for p in svc["spec"]["ports"] if p["name"] == C.PORT_NAME_HTTP]
+    return svc["spec"]["clusterIP"], port
 
 
 def chat_body(model: str, messages: list[dict]) -> dict:
@@ -124,7 +125,7 @@ class Load:
     send: Callable[[float], Outcome]  # t0 -> the outcome of one request
     clients: int = 3
     seconds: float = 150.0
-    max_requests: int = 300
+    max_requests: int = 450
     outcomes: list[Outcome] = field(default_factory=list)
     sent: int = 0
 

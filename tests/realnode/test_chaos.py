@@ -84,7 +84,7 @@ def test_random_pods_deleted_every_10s_under_load(pipe: Pipeline, cluster, kube)
     assert first.kind == chaos.OK, first  # the Service's ClusterIP answers from this host, exactly
 
     load = chaos.Load(lambda t0: chaos.ask(address, body, text, ids, t0), clients=3, seconds=150,
-                      max_requests=300).start()
+                      max_requests=450).start()  # 3 clients x 150 s of instant errors, 1 s apart
     assert load.wait_first_ok(120), load.outcomes
     killer = chaos.Killer(cluster, kube, pipe.ns, NAME, STAGES, SEED, period=10, duration=120)
     killer.run(load.t0)
