@@ -32,6 +32,7 @@ from .schema import OmniPipeline
 from .turns import StallWatch, Turns
 
 DRAIN_POLLS = 1000  # about a second of reading before a closed connection is acted on
+ANSWER_GRACE_S = 1.0  # for the handlers of requests ended at the drain deadline to write their answers
 
 log = logging.getLogger("omnifleet.master")
 
@@ -288,6 +289,12 @@ class Master:
             await asyncio.sleep(0.05)
         if self.api.inflight:
             log.warning("drain deadline passed; ending %d request(s)", self.api.inflight)
+            # With an answer each (a closed connection tells the client nothing), before the server stops.
+            self.orch.fail_all(f"the master shut down (its drain deadline of {timeout_s:g}s passed) before the "
+                               "request finished; it was aborted in every stage: retry")
+            answered = time.monotonic() + ANSWER_GRACE_S
+            while self.api.inflight and time.monotonic() < answered:
+                await asyncio.sleep(0.01)
         else:
             log.info("every request finished; exiting")
 

@@ -231,6 +231,13 @@ class Orchestrator:
             self._fail(run, f"the request did not finish within its deadline of {run.timeout_s:g}s; "
                             "it was aborted in every stage", status=504, code="deadline_exceeded")
 
+    def fail_all(self, message: str, status: int = 503, code: str = "shutting_down") -> int:
+        """End every open request with this error (aborted in every stage); how many."""
+        runs = [r for r in self.runs.values() if not r.closed]
+        for run in runs:
+            self._fail(run, message, status=status, code=code)
+        return len(runs)
+
     def abort(self, run: Run) -> None:
         """The client went away: stop the request in every stage."""
         if not run.closed:

@@ -10,12 +10,14 @@ pipeline (loading two vLLM engines takes a minute on 2 cores).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import secrets
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -109,9 +111,11 @@ class Pipeline:
             fwd.stop()
 
 
-@pytest.fixture(scope="module")
-def pipe(cluster, kube, model_dir: Path):
-    ns = make_namespace(cluster, "tiny-vllm", PSA_RESTRICTED)
+@contextlib.contextmanager
+def deployed(cluster, kube: Kube, model_dir: Path, slug: str = "tiny-vllm") -> Iterator[Pipeline]:
+    """The tiny pipeline, Ready, in a new namespace enforcing `restricted`; the namespace is deleted
+    afterwards, so the next module's pipeline does not share the cores with this one's engines."""
+    ns = make_namespace(cluster, slug, PSA_RESTRICTED)
     model_claim(cluster, ns, model_dir)
     cluster.kubectl("create", "secret", "generic", ADMIN_SECRET, "-n", ns, f"--from-literal=token={ADMIN_TOKEN}")
     doc = yaml.safe_load(SAMPLE.read_text())
@@ -123,6 +127,13 @@ def pipe(cluster, kube, model_dir: Path):
         yield p
     finally:
         p.close()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def pipe(cluster, kube, model_dir: Path):
+    with deployed(cluster, kube, model_dir) as p:
+        yield p
 
 
 def load(p: Pipeline, n: int = LOAD_REQUESTS, during=None) -> list[tuple[int, dict]]:

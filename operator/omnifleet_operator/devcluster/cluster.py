@@ -497,6 +497,23 @@ class DevCluster:
                            "kubelet", "the node to register")
         node.wait_node_ready(self)
 
+    def stop_node_component(self, name: str) -> None:
+        """Stop one of the real node's processes (SIGTERM, SIGKILL after a grace period), nothing else:
+        what a crashed kubelet or container runtime leaves behind (its pods' containers keep running)."""
+        if not self.real_node or name not in node.COMPONENTS:
+            raise DevClusterError(f"{name!r} is not a process of this cluster's real node")
+        self._stop([name])
+
+    def start_node_component(self, name: str) -> None:
+        """Start a stopped node process again, as up() started it, and wait until it is ready."""
+        if not self.real_node or name not in node.COMPONENTS:
+            raise DevClusterError(f"{name!r} is not a process of this cluster's real node")
+        if self._pid(name):
+            raise DevClusterError(f"{name} is already running")
+        binaries = build.ensure_binaries(verbose=False, components=build.NODE)
+        self._start(name, node.argv(self, name, binaries))
+        self._wait_ready(name)
+
     def down(self) -> None:
         """Stop every process of this state dir: SIGTERM, then SIGKILL after a grace period."""
         real = self.real_node or bool(self._real_node)

@@ -1,0 +1,126 @@
+"""Chaos on real pods (issue 13): the tiny vLLM pipeline under a bounded load while its pods, the
+operator's pods and then the node's own processes are taken away.
+
+- A random pod (the master, a stage pod or an operator pod; seeded, each pick logged) is deleted
+  every 10 s for 2 minutes while 3 clients ask: no request hangs (the client's timeout exceeds the
+  request's deadline), every answer is exact or a clear error, a request refused at connect (no
+  master pod ready behind the Service) is counted apart, every request sent has exactly one
+  outcome, everything is back afterwards and the answers are exact again.
+- The node's kubelet, then its container runtime, stopped for 30 s and started again: the pipeline
+  recovers with no manual step.
+
+How long recovery took is recorded, never judged (timing belongs to bench/chaos.py, which runs this
+file and writes the counts to bench/results/). The scenario itself is tests/realnode/chaos.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from omnifleet_operator.devcluster import node
+
+from ..conftest import time_limit
+from . import chaos
+from .test_pods import CHAT, NAME, Pipeline, check_outcomes, deployed
+
+SEED = int(os.environ.get("OMNIFLEET_CHAOS_SEED", "13"))
+RESULTS_ENV = "OMNIFLEET_CHAOS_RESULTS"  # bench/chaos.py: where each test writes its counts
+TEST_TIMEOUT_S = 1500  # load (at most 150 s + one client timeout) + recovery (up to 600 s) + checks
+RECOVER_TIMEOUT_S = 600  # generous: two vLLM engines may both be loading again on 2 cores
+STAGES = ["planner", "writer"]
+NODE_OUTAGE_S = 30
+
+
+@pytest.fixture(autouse=True)
+def overall_timeout():  # this module's own bound, instead of the suite's 600 s
+    with time_limit(TEST_TIMEOUT_S):
+        yield
+
+
+@pytest.fixture(scope="module")
+def pipe(cluster, kube, model_dir: Path):
+    with deployed(cluster, kube, model_dir, slug="chaos") as p:
+        yield p
+
+
+def record(key: str, counts: dict) -> None:
+    print(f"chaos counts ({key}): {json.dumps(counts, indent=1)}", flush=True)
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        p = Path(path)
+        data = json.loads(p.read_text()) if p.exists() else {}
+        data[key] = counts
+        p.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def restarts(p: Pipeline) -> dict[str, int]:
+    return {pod["metadata"]["name"]: sum(s.get("restartCount", 0) for s in pod["status"].get("containerStatuses") or [])
+            for pod in p.pods()}
+
+
+def assert_every_outcome_allowed(load: chaos.Load) -> None:
+    assert load.sent == len(load.outcomes) <= load.max_requests, (load.sent, len(load.outcomes))
+    bad = [o for o in load.outcomes if o.kind in chaos.FORBIDDEN]
+    assert not bad, f"{len(bad)} request(s) hung, lost, wrong or unclear: {bad[:10]}"
+    assert max(o.seconds for o in load.outcomes) < chaos.CLIENT_TIMEOUT_S
+
+
+def assert_exact_after(p: Pipeline, text: str, ids: list[int]) -> None:
+    p.close()  # port-forwards follow one pod: the master (and the admin port) may be new
+    assert p.expected() == (text, ids)
+    assert check_outcomes([p.chat() for _ in range(3)], text, ids) == {"ok": 3}
+
+
+def test_random_pods_deleted_every_10s_under_load(pipe: Pipeline, cluster, kube):
+    text, ids = pipe.expected()
+    address = chaos.master_address(kube, pipe.ns, NAME)
+    body = chaos.chat_body(NAME, CHAT)
+    first = chaos.ask(address, body, text, ids, time.monotonic())
+    assert first.kind == chaos.OK, first  # the Service's ClusterIP answers from this host, exactly
+
+    load = chaos.Load(lambda t0: chaos.ask(address, body, text, ids, t0), clients=3, seconds=150,
+                      max_requests=450).start()  # 3 clients x 150 s of instant errors, 1 s apart
+    assert load.wait_first_ok(120), load.outcomes
+    killer = chaos.Killer(cluster, kube, pipe.ns, NAME, STAGES, SEED, period=10, duration=120)
+    killer.run(load.t0)
+    load.join()
+    recovery_s = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
+    record("pods", chaos.report(load, killer.kills, recovery_s, seed=SEED, restarts=restarts(pipe)))
+
+    assert len(killer.kills) == 12, killer.kills
+    assert_every_outcome_allowed(load)
+    assert load.counts().get(chaos.OK, 0) >= 1
+    assert_exact_after(pipe, text, ids)
+
+
+@pytest.mark.parametrize("component", ["kubelet", "containerd"])
+def test_a_node_process_stopped_for_30s_comes_back_and_so_does_the_pipeline(pipe: Pipeline, cluster, kube,
+                                                                             component: str):
+    text, ids = pipe.expected()
+    address = chaos.master_address(kube, pipe.ns, NAME)
+    body = chaos.chat_body(NAME, CHAT)
+    before = restarts(pipe)
+    load = chaos.Load(lambda t0: chaos.ask(address, body, text, ids, t0), clients=1,
+                      seconds=NODE_OUTAGE_S + 30, max_requests=100).start()
+    assert load.wait_first_ok(120), load.outcomes
+    cluster.stop_node_component(component)
+    stopped = time.monotonic()
+    assert not cluster.ready_quietly(component)
+    print(f"stopped the node's {component} at t={stopped - load.t0:.0f}s", flush=True)
+    time.sleep(max(0.0, stopped + NODE_OUTAGE_S - time.monotonic()))
+    cluster.start_node_component(component)  # waits for its health check
+    started = time.monotonic()
+    print(f"started {component} again after {started - stopped:.0f}s", flush=True)
+    load.join()
+    node.wait_node_ready(cluster)
+    recovery_s = chaos.wait_recovered(kube, pipe.ns, NAME, address, started, RECOVER_TIMEOUT_S)
+    record(component, chaos.report(load, [], recovery_s, outage_s=round(started - stopped, 1),
+                                   restarts_before=before, restarts_after=restarts(pipe)))
+
+    assert_every_outcome_allowed(load)
+    assert_exact_after(pipe, text, ids)
