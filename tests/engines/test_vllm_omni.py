@@ -5,9 +5,10 @@ environment (built by devsetup.vllm_omni_env; the suite fails if it cannot be
 built). The oracle is vLLM-Omni's own single-process `Omni` engine running the
 whole thinker -> talker -> code2wav pipeline on the same checkpoint, prompt,
 deploy settings and seeds (tests/engines/vllm_omni_oracle.py): the thinker's
-tokens through omnifleet must equal the oracle's. The talker and code2wav as
-omnifleet stages are not here yet: the thinker's one-stage engine returns no
-hidden states for the talker (see the README).
+tokens through omnifleet must equal the oracle's. The thinker stage alone
+(vllm_omni_stage_probe.py) must put its hidden states on the wire, equal to
+those the oracle's thinker output carries: they are what the talker is made of.
+The talker and code2wav as omnifleet stages are not here yet.
 
 Start-up dominates (minutes per engine on two cores, and vLLM-Omni starts
 engines that share a device one at a time): one fleet and one oracle run for
@@ -116,6 +117,7 @@ def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
     assert proc.returncode == 0 and (tmp / "result.json").exists(), log[-6000:]
     result = json.loads((tmp / "result.json").read_text())
     result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
+    result["thinker_hidden"] = array("f", (tmp / "thinker_hidden.f32").read_bytes())
     report(request.config, "vllm-omni", f"oracle (vLLM-Omni's Omni, 3 stages in one process): engine start "
            f"{result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
     return result
@@ -167,6 +169,41 @@ def chat(fleet: Fleet) -> dict:
         "model": "qwen-omni", "messages": MESSAGES, "return_token_ids": True})
     assert status == 200, body
     return body
+
+
+def test_thinker_stage_puts_its_hidden_states_on_the_wire(omni_python, tiny_omni, oracle, tmp_path, request):
+    """What the talker is made of: the thinker stage's output carries its hidden states as a wire array."""
+    (tmp_path / "pipeline.json").write_text(json.dumps(doc(tiny_omni)))
+    (tmp_path / "request.json").write_text(json.dumps({"messages": MESSAGES}))
+    t = time.monotonic()
+    with open(tmp_path / "probe.log", "wb") as logf:
+        proc = subprocess.Popen([omni_python, str(HERE / "vllm_omni_stage_probe.py"), str(tmp_path / "pipeline.json"),
+                                 "thinker", str(tmp_path / "request.json"), str(tmp_path)],
+                                stdout=logf, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=900)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    log = (tmp_path / "probe.log").read_text(errors="replace")
+    assert proc.returncode == 0 and (tmp_path / "chunk.json").exists(), log[-6000:]
+    chunk = json.loads((tmp_path / "chunk.json").read_text())
+    assert chunk["token_ids"] == oracle["thinker_token_ids"]
+    hidden = chunk["extra"].get("hidden")
+    assert hidden is not None, f"no hidden states on the wire (extra: {chunk['extra']})"
+    rows = len(chunk["prompt_token_ids"]) + len(chunk["token_ids"]) - 1  # the last token is never forwarded
+    assert hidden["dtype"] == "float32" and hidden["shape"] == [rows, 128], hidden
+    assert hidden["shape"] == oracle["thinker_hidden_shape"]
+    got = array("f", (tmp_path / "extra.hidden.bin").read_bytes())
+    want = oracle["thinker_hidden"]
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert len(got) == len(want) and worst <= 1e-4, f"hidden states differ from the oracle's by up to {worst}"
+    report(request.config, "vllm-omni", f"thinker stage alone: hidden states {hidden['shape']} on the wire "
+           f"(largest difference from vLLM-Omni's own engine: {worst:.2e}; {time.monotonic() - t:.1f}s)")
 
 
 def test_thinker_tokens_through_omnifleet_match_vllm_omnis_own_engine(fleet, oracle, request):
