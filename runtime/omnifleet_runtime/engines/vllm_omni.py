@@ -21,9 +21,10 @@ One stage of a vLLM-Omni pipeline becomes one engine:
   `thinker2talker_token_only`), and gives its engine the payload as the
   request's `additional_information`, which vLLM-Omni's model runner puts where
   its connector would have: the model's intermediate buffer.
-- A stage that feeds another has its requests tagged as vLLM-Omni's full
-  pipeline tags them (`_hook_requests`), so that its AR runner keeps the
-  per-step payload (the thinker's hidden states) on the output.
+- Requests reach the stage engine core as vLLM-Omni's full pipeline would send
+  them (`_hook_requests`): a downstream stage's as an engine-core request built
+  from its tokens, and a stage that feeds another tagged so that its AR runner
+  keeps the per-step payload (the thinker's hidden states) on the output.
 
 Inputs of the entry stage: a string (text prompt), a list of ints (token ids),
 chat messages (the model's chat template is applied), or a dict with one of
@@ -173,9 +174,14 @@ class VllmOmniEngine(Engine):
     def _hook_requests(self, final_stage_id: int | None) -> None:
         """Shape each request as vLLM-Omni's full pipeline would have it reach this stage's engine core.
 
-        The hook is the engine's `_build_add_request_message`, which makes the
-        engine-core request.
+        The hook is the engine's `_build_add_request_message`, the one place that
+        knows the request id AsyncOmni makes unique and the sampling params.
 
+        - A downstream stage's prompt becomes an engine-core request built from
+          its tokens, as vLLM-Omni's orchestrator builds a downstream stage's
+          (`build_engine_core_request_from_tokens`): vLLM's stage-0 input
+          processor, which a plain prompt would go through, refuses a generation
+          stage such as code2wav ("This model does not support generation").
         - With `final_stage_id`: vLLM-Omni's AR model runner puts its per-step
           payload (e.g. the thinker's hidden states) on a request's output only
           when the request's `omni_final_stage_id` (in its additional
@@ -187,12 +193,19 @@ class VllmOmniEngine(Engine):
         """
         from vllm.v1.engine import EngineCoreRequest
         from vllm_omni.engine.async_engine_utils import apply_omni_final_stage_metadata
+        from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
 
         engine = self.omni.engine
         build = engine._build_add_request_message
+        downstream = bool(self.stage.inputs)
 
-        def build_hooked(*args: Any, **kwargs: Any) -> Any:
-            msg = build(*args, **kwargs)
+        def build_hooked(*, request_id: str, prompt: Any, sampling_params_list: Any = None, **kwargs: Any) -> Any:
+            if downstream and isinstance(prompt, dict):
+                prompt = build_engine_core_request_from_tokens(
+                    request_id=request_id, prompt=prompt, params=sampling_params_list[0],
+                    model_config=engine.stage_vllm_configs[0].model_config)
+                prompt.external_req_id = request_id
+            msg = build(request_id=request_id, prompt=prompt, sampling_params_list=sampling_params_list, **kwargs)
             if final_stage_id is not None and isinstance(msg.prompt, EngineCoreRequest):
                 msg.prompt = apply_omni_final_stage_metadata(msg.prompt, final_stage_id)
             return msg
