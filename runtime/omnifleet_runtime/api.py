@@ -10,9 +10,9 @@ is `text` become the message text (an llm stage's chunk is a dict: its `text`;
 does); chunks of other final stages travel in an `omni` field ({stage, type,
 data}, bytes base64-encoded).
 
-`modalities` picks the final outputs a chat request gets (default: the text
-ones; all when the pipeline has no text output), and only the stages they need
-run. With `"audio"` the reply carries `message.audio` as OpenAI shapes it
+`modalities` picks the final outputs a chat or completion request gets
+(default: the text ones; all when the pipeline has no text output), and only
+the stages they need run. With `"audio"` the reply carries `message.audio` as OpenAI shapes it
 (`{id, data: base64 WAV (or FLAC, MP3, pcm16 per audio.format), expires_at,
 transcript}`; streamed: `delta.audio.data`, base64 16-bit PCM).
 

@@ -30,7 +30,8 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "chat": frozenset(_GENERATE + (
         "messages", "modalities", "audio", "response_format", "tools", "tool_choice", "parallel_tool_calls",
         "chat_template", "chat_template_kwargs", "store", "service_tier", "reasoning_effort")),
-    "completion": frozenset(_GENERATE + ("prompt", "echo", "best_of", "suffix")),
+    # `modalities` as on chat (an extension): a completion's non-text outputs come in the choice's `omni` field.
+    "completion": frozenset(_GENERATE + ("prompt", "echo", "best_of", "suffix", "modalities")),
     "image": frozenset(_COMMON + ("prompt", "n", "size", "seed", "response_format", "quality", "style")),
     "speech": frozenset(_COMMON + ("input", "voice", "response_format", "speed", "instructions", "stream_format")),
 }

@@ -1,13 +1,14 @@
-"""vLLM-Omni's own stage engines as omnifleet stages: a tiny Qwen2.5-Omni's thinker behind omnifleet's master.
+"""vLLM-Omni's own stage engines as omnifleet stages: a tiny Qwen2.5-Omni, thinker -> talker -> code2wav.
 
-The thinker is a `vllm-omni` stage in its own pod process, run with vLLM-Omni's
-environment (built by devsetup.vllm_omni_env; the suite fails if it cannot be
-built). The oracle is vLLM-Omni's own single-process `Omni` engine running the
-whole thinker -> talker -> code2wav pipeline on the same checkpoint, prompt,
-deploy settings and seeds (tests/engines/vllm_omni_oracle.py): the thinker's
-tokens through omnifleet must equal the oracle's. The talker and code2wav as
-omnifleet stages are not here yet: the thinker's one-stage engine returns no
-hidden states for the talker (see the README).
+Each stage is a `vllm-omni` stage in a pod process of its own, run with
+vLLM-Omni's environment (built by devsetup.vllm_omni_env; the suite fails if it
+cannot be built), behind omnifleet's master. The oracle is vLLM-Omni's own
+single-process `Omni` engine running the whole pipeline on the same checkpoint,
+prompt, deploy settings and seeds (tests/engines/vllm_omni_oracle.py). Through
+omnifleet the first request must give the oracle's thinker tokens and its audio
+(float32 samples, equal within float tolerance and as 16-bit PCM). The thinker stage alone (vllm_omni_stage_probe.py) must
+put its hidden states on the wire, equal to those the oracle's thinker output
+carries: they are what the talker is made of.
 
 Start-up dominates (minutes per engine on two cores, and vLLM-Omni starts
 engines that share a device one at a time): one fleet and one oracle run for
@@ -16,6 +17,7 @@ the module.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -116,6 +118,7 @@ def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
     assert proc.returncode == 0 and (tmp / "result.json").exists(), log[-6000:]
     result = json.loads((tmp / "result.json").read_text())
     result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
+    result["thinker_hidden"] = array("f", (tmp / "thinker_hidden.f32").read_bytes())
     report(request.config, "vllm-omni", f"oracle (vLLM-Omni's Omni, 3 stages in one process): engine start "
            f"{result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
     return result
@@ -123,7 +126,7 @@ def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
 
 def doc(model: str) -> dict:
     stages = []
-    for s in STAGES[:1]:  # the thinker (see the module's docstring)
+    for s in STAGES:
         stage = {"name": s["name"], "type": "vllm-omni", "gpus": 0, "engineArgs": s["engine"],
                  "samplingParams": s["sampling"], "engineStartTimeoutSeconds": 1500,
                  "vllmOmni": {"pipeline": "qwen2_5_omni", "stageId": s["stageId"], "modelStage": s["modelStage"],
@@ -149,11 +152,11 @@ def fleet(omni_python, tiny_omni, oracle, tmp_path_factory, request):
     t = time.monotonic()
     try:
         f.start_master()
-        for s in STAGES[:1]:
+        for s in STAGES:
             f.start_pod(f"{s['name']}-0", s["name"], python=omni_python)
-        f.wait_ready(timeout=1500)
-        report(request.config, "vllm-omni", f"fleet of a vLLM-Omni thinker stage engine ready in "
-               f"{time.monotonic() - t:.1f}s (started side by side on {len(os.sched_getaffinity(0))} cores)")
+        f.wait_ready(timeout=2000)
+        report(request.config, "vllm-omni", f"fleet of {len(STAGES)} vLLM-Omni stage engines (one pod each) ready "
+               f"in {time.monotonic() - t:.1f}s (started side by side on {len(os.sched_getaffinity(0))} cores)")
         yield f
     except BaseException:
         print(f.logs()[-30000:])
@@ -164,26 +167,88 @@ def fleet(omni_python, tiny_omni, oracle, tmp_path_factory, request):
 
 def chat(fleet: Fleet) -> dict:
     status, body = fleet.http("POST", "/v1/chat/completions", {
-        "model": "qwen-omni", "messages": MESSAGES, "return_token_ids": True})
+        "model": "qwen-omni", "messages": MESSAGES, "return_token_ids": True,
+        "modalities": ["text", "audio"], "audio": {"format": "pcm16"}})
     assert status == 200, body
     return body
 
 
-def test_thinker_tokens_through_omnifleet_match_vllm_omnis_own_engine(fleet, oracle, request):
+def pcm16(samples) -> array:
+    """The oracle's float samples as the master encodes audio (media.audio_of): clipped, scaled, truncated."""
+    return array("h", (int(max(-1.0, min(1.0, x)) * 32767.0) for x in samples))
+
+
+def test_thinker_stage_puts_its_hidden_states_on_the_wire(omni_python, tiny_omni, oracle, tmp_path, request):
+    """What the talker is made of: the thinker stage's output carries its hidden states as a wire array."""
+    (tmp_path / "pipeline.json").write_text(json.dumps(doc(tiny_omni)))
+    (tmp_path / "request.json").write_text(json.dumps({"messages": MESSAGES}))
     t = time.monotonic()
-    body = chat(fleet)
+    with open(tmp_path / "probe.log", "wb") as logf:
+        proc = subprocess.Popen([omni_python, str(HERE / "vllm_omni_stage_probe.py"), str(tmp_path / "pipeline.json"),
+                                 "thinker", str(tmp_path / "request.json"), str(tmp_path)],
+                                stdout=logf, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=900)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    log = (tmp_path / "probe.log").read_text(errors="replace")
+    assert proc.returncode == 0 and (tmp_path / "chunk.json").exists(), log[-6000:]
+    chunk = json.loads((tmp_path / "chunk.json").read_text())
+    assert chunk["token_ids"] == oracle["thinker_token_ids"]
+    hidden = chunk["extra"].get("hidden")
+    assert hidden is not None, f"no hidden states on the wire (extra: {chunk['extra']})"
+    rows = len(chunk["prompt_token_ids"]) + len(chunk["token_ids"]) - 1  # the last token is never forwarded
+    assert hidden["dtype"] == "float32" and hidden["shape"] == [rows, 128], hidden
+    assert hidden["shape"] == oracle["thinker_hidden_shape"]
+    got = array("f", (tmp_path / "extra.hidden.bin").read_bytes())
+    want = oracle["thinker_hidden"]
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert len(got) == len(want) and worst <= 1e-4, f"hidden states differ from the oracle's by up to {worst}"
+    report(request.config, "vllm-omni", f"thinker stage alone: hidden states {hidden['shape']} on the wire "
+           f"(largest difference from vLLM-Omni's own engine: {worst:.2e}; {time.monotonic() - t:.1f}s)")
+
+
+def test_thinker_and_audio_through_omnifleet_match_vllm_omnis_own_engine(fleet, oracle, request):
+    """The fleet's first request (code2wav draws its noise from the engine's global generator, so only a fresh
+    engine's first request is comparable with the oracle's): a completion of the oracle's prompt tokens with
+    `modalities: ["text", "audio"]`, whose audio chunk comes back as it left code2wav (float32 samples, in the
+    choice's `omni` field)."""
+    t = time.monotonic()
+    status, body = fleet.http("POST", "/v1/completions", {
+        "model": "qwen-omni", "prompt": oracle["prompt_token_ids"], "return_token_ids": True,
+        "modalities": ["text", "audio"]})
     took = time.monotonic() - t
+    assert status == 200, body
     choice = body["choices"][0]
     assert oracle["thinker_token_ids"], oracle
     assert choice["token_ids"] == oracle["thinker_token_ids"]
-    # The oracle ran the whole pipeline: its audio is what the talker and code2wav stages must give here next.
-    assert oracle["audio_samples"] > 0
-    report(request.config, "vllm-omni", f"request through omnifleet: {took:.2f}s; thinker tokens "
-           f"{choice['token_ids']} (vLLM-Omni's own engine: the same; its audio {oracle['audio_samples']} samples)")
+    [chunk] = [o["data"] for o in choice.get("omni", []) if o["type"] == "audio"]
+    assert chunk["audio"]["dtype"] == "float32", chunk["audio"]
+    got = array("f", base64.b64decode(chunk["audio"]["data"]))
+    want = oracle["audio"]
+    assert oracle["audio_samples"] > 0 and len(got) == len(want) == oracle["audio_samples"], (len(got), len(want))
+    peak = max(abs(x) for x in want)
+    assert peak > 0, "the oracle's audio is all zeros"
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    # float32 samples computed by separate processes of the same build and thread count.
+    assert worst <= 1e-4 * peak, f"audio differs from the oracle's by up to {worst} (its peak: {peak})"
+    assert pcm16(got) == pcm16(want)
+    report(request.config, "vllm-omni", f"request through omnifleet (3 stage pods): {took:.2f}s; thinker tokens "
+           f"{choice['token_ids']} and {len(got)} float32 samples of audio (peak {peak:.3g}; largest difference "
+           f"from vLLM-Omni's own engine: {worst:.3g})")
 
 
-def test_same_request_twice_gives_the_same_answer(fleet):
-    """Seeded sampling: a repeated request is answered identically."""
+def test_same_request_twice_gives_the_same_tokens(fleet):
+    """Seeded sampling: a repeated chat request gets the same thinker tokens and the same length of audio.
+
+    (The samples themselves differ: code2wav draws its noise from the engine's global generator, as in
+    vLLM-Omni's own engine.)"""
     a, b = chat(fleet), chat(fleet)
     assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert len(a["choices"][0]["message"]["audio"]["data"]) == len(b["choices"][0]["message"]["audio"]["data"])

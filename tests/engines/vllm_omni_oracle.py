@@ -4,8 +4,9 @@
 
 REQUEST.json: {"messages": [...], "sampling_params": [per stage]}. The chat
 template is applied with the model's tokenizer (as the vllm-omni engine does
-for the entry stage). Writes OUT_DIR/result.json (thinker token ids, audio
-length, sample rate) and OUT_DIR/audio.f32 (float32 samples).
+for the entry stage). Writes OUT_DIR/result.json (thinker token ids, the
+shape of its hidden states, audio length, sample rate), OUT_DIR/thinker_hidden.f32
+and OUT_DIR/audio.f32 (float32, row-major).
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def main() -> None:
             mm = {**completion.multimodal_output, **mm}
         if o.final_output_type == "text":
             result["thinker_token_ids"] = [int(x) for x in completion.token_ids]
+            # The thinker's hidden states (prompt + generated tokens but the last), which its output carries
+            # because the request goes on to the talker; filed under the stage's output modality (`latent`).
+            hidden = next((mm[k] for k in ("latent", "hidden") if k in mm), None)
+            if hidden is not None:
+                import torch
+
+                hidden = torch.cat(list(hidden)) if isinstance(hidden, list) else hidden
+                hidden = hidden.detach().to("cpu").float().contiguous()
+                (Path(out) / "thinker_hidden.f32").write_bytes(hidden.numpy().tobytes())
+                result["thinker_hidden_shape"] = list(hidden.shape)
         elif o.final_output_type == "audio":
             import torch
 

@@ -21,6 +21,10 @@ One stage of a vLLM-Omni pipeline becomes one engine:
   `thinker2talker_token_only`), and gives its engine the payload as the
   request's `additional_information`, which vLLM-Omni's model runner puts where
   its connector would have: the model's intermediate buffer.
+- Requests reach the stage engine core as vLLM-Omni's full pipeline would send
+  them (`_hook_requests`): a downstream stage's as an engine-core request built
+  from its tokens, and a stage that feeds another tagged so that its AR runner
+  keeps the per-step payload (the thinker's hidden states) on the output.
 
 Inputs of the entry stage: a string (text prompt), a list of ints (token ids),
 chat messages (the model's chat template is applied), or a dict with one of
@@ -29,8 +33,9 @@ stage's output chunks (`inputMode: whole`).
 
 Output: one chunk per request when the engine finishes it: `token_ids`,
 `prompt_token_ids`, `text`, `finish_reason` and `extra` (every tensor of the
-output, as arrays); a stage whose final output is audio also carries `audio`
-(float32 samples) and `sample_rate`.
+output, as arrays; an AR stage's hidden states as `hidden`, the prompt's and
+every generated token's but the last); a stage whose final output is audio also
+carries `audio` (float32 samples) and `sample_rate`.
 
 Not yet: `async_chunk` streaming (refused at start), fan-in from several
 upstream stages (refused at start), CFG companions.
@@ -163,6 +168,49 @@ class VllmOmniEngine(Engine):
         except Exception as e:
             raise EngineStartError(f"stage {name!r}: vLLM-Omni stage engine failed to start: "
                                    f"{type(e).__name__}: {e}") from e
+        # A stage whose vLLM-Omni stage feeds another keeps its per-step payload for it (see _hook_requests).
+        self._hook_requests(max(by_id) if mine.custom_process_next_stage_input_func else None)
+
+    def _hook_requests(self, final_stage_id: int | None) -> None:
+        """Shape each request as vLLM-Omni's full pipeline would have it reach this stage's engine core.
+
+        The hook is the engine's `_build_add_request_message`, the one place that
+        knows the request id AsyncOmni makes unique and the sampling params.
+
+        - A downstream stage's prompt becomes an engine-core request built from
+          its tokens, as vLLM-Omni's orchestrator builds a downstream stage's
+          (`build_engine_core_request_from_tokens`): vLLM's stage-0 input
+          processor, which a plain prompt would go through, refuses a generation
+          stage such as code2wav ("This model does not support generation").
+        - With `final_stage_id`: vLLM-Omni's AR model runner puts its per-step
+          payload (e.g. the thinker's hidden states) on a request's output only
+          when the request's `omni_final_stage_id` (in its additional
+          information) is past stage 0. Its engine tags each request with the
+          final stage of *its* pipeline, 0 for this one-stage copy, so the
+          payload would be dropped; requests are tagged with the final stage of
+          the real pipeline instead, as there. The orchestrator keeps routing by
+          the message's own final stage (0), so nothing is forwarded anywhere.
+        """
+        from vllm.v1.engine import EngineCoreRequest
+        from vllm_omni.engine.async_engine_utils import apply_omni_final_stage_metadata
+        from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+
+        engine = self.omni.engine
+        build = engine._build_add_request_message
+        downstream = bool(self.stage.inputs)
+
+        def build_hooked(*, request_id: str, prompt: Any, sampling_params_list: Any = None, **kwargs: Any) -> Any:
+            if downstream and isinstance(prompt, dict):
+                prompt = build_engine_core_request_from_tokens(
+                    request_id=request_id, prompt=prompt, params=sampling_params_list[0],
+                    model_config=engine.stage_vllm_configs[0].model_config)
+                prompt.external_req_id = request_id
+            msg = build(request_id=request_id, prompt=prompt, sampling_params_list=sampling_params_list, **kwargs)
+            if final_stage_id is not None and isinstance(msg.prompt, EngineCoreRequest):
+                msg.prompt = apply_omni_final_stage_metadata(msg.prompt, final_stage_id)
+            return msg
+
+        engine._build_add_request_message = build_hooked
 
     def dead(self) -> str | None:
         if self.omni is not None and getattr(self.omni, "errored", False):
@@ -290,6 +338,26 @@ class VllmOmniEngine(Engine):
             yield self._chunk(last)
         self._active.pop(request.request_id, None)
 
+    def _restore_producer_key(self, tensors: dict[str, Any]) -> None:
+        """Name an AR stage's per-step payload as its producer did: `hidden`.
+
+        vLLM-Omni's AR runner emits each step's hidden states as `hidden`; its
+        worker connector hands the next stage's payload builder (e.g.
+        `thinker2talker_full_payload`) the steps concatenated under that name. Its
+        output processor, on the client path this engine reads, files the same
+        concatenation under the stage's output modality instead (`latent` for
+        `engine_output_type: latent`). The wire carries it as `hidden`, what the
+        builder reads.
+        """
+        if self.spec.worker_type != "ar" or "hidden" in tensors or self.pipeline_stage is None:
+            return
+        from vllm_omni.outputs.output_modality import OutputModality
+        from vllm_omni.outputs.output_processor import _modality_to_type_string
+
+        modality = _modality_to_type_string(OutputModality.from_string(self.pipeline_stage.engine_output_type))
+        if modality not in ("text", "audio", "image") and modality in tensors:
+            tensors["hidden"] = tensors.pop(modality)
+
     def _chunk(self, out: Any) -> dict[str, Any]:
         completion = out.outputs[0] if getattr(out, "outputs", None) else None
         ro = getattr(out, "request_output", None)
@@ -307,6 +375,7 @@ class VllmOmniEngine(Engine):
                         import torch
 
                         tensors[k] = torch.cat([x.reshape(-1) if x.dim() <= 1 else x for x in v])
+        self._restore_producer_key(tensors)
         chunk: dict[str, Any] = {
             "token_ids": [int(t) for t in (completion.token_ids if completion is not None else [])],
             "prompt_token_ids": [int(t) for t in (getattr(out, "prompt_token_ids", None)
