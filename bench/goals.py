@@ -84,8 +84,9 @@ GOALS: tuple[Goal, ...] = (
          why_missed="the runtime's per-hop cost (master dispatch, ZMQ, the stage loops) is paid on top of the handoff"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
-         why_missed="the runtime copies D2H into pageable memory and sends one frame: D2H, wire and H2D are not "
-         "overlapped (the pipelined experiment in the same report shows what overlapping gives)"),
+         why_missed="the runtime sends a tensor as one frame after its whole D2H (pinned) and the consumer starts "
+         "its H2D after the whole frame: D2H, wire and H2D are not overlapped, which costs most at 16 MiB (the "
+         "pipelined experiment in the same report shows what overlapping gives)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="one CurveZMQ connection encrypts on one libzmq I/O thread; 4 MiB frames barely help (the "
