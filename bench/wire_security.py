@@ -10,16 +10,19 @@ here. The control port uses CurveZMQ in both.
 
 1. Bulk: a producer stage returns N bytes, a consumer stage in another pod
    touches every page (bench.fns:produce/consume); the boundary time is stamped
-   inside the stages. One buffer, and the same bytes in 4 MiB frames.
-   Ratio = throughput(curve) / throughput(plain-auth), goal >= 0.5.
+   inside the stages. One buffer, and the same bytes in 4 MiB frames. Both
+   modes with the default `dataStreams` (4: a message of 8 MiB or more split
+   over four connections, each on its own I/O thread) and with one stream.
+   Ratio = throughput(curve) / throughput(plain-auth), default streams both,
+   goal >= 0.5; also curve over plain-auth on one connection.
 2. Per-hop latency: chains of 1 and 3 no-op stages; per hop =
    (p50(3 stages) - p50(1 stage)) / 2 over HTTP. Ratio = curve / plain-auth.
 
 3. The ceiling: raw pyzmq PUSH -> PULL (no runtime), one process each side's
    thread, 4 MiB messages spread over K connections (K = 1, 2, 4, 8; a ZMQ
-   context of K I/O threads on each side), CURVE and plain. Parallel
-   connections are the lever the runtime would use to spread encryption over
-   cores; this says what they give before any runtime code is built on them.
+   context of K I/O threads on each side, connection i pinned to I/O thread i
+   and connected after the previous handshake, as the runtime's links do),
+   CURVE and plain: what parallel connections can give at most.
    `--ceiling-only` runs this part alone (written as <date>-curve-ceiling).
 
 Writes bench/results/<date>-wire-security[-quick].md and .json, and merges the
@@ -42,21 +45,31 @@ from .data_plane import bulk_requests, chain, http_sequential, summarize
 MIB = 1 << 20
 MODES = ("curve", "plain-auth")
 CEILING_K = (1, 2, 4, 8)
-FULL = dict(sizes=[16 * MIB, 64 * MIB, 256 * MIB], chunk=4 * MIB, reps=8, rounds=3, time_s=30.0,
+FULL = dict(sizes=[16 * MIB, 64 * MIB, 256 * MIB], chunk=4 * MIB, reps=6, rounds=3, time_s=30.0,
             lat_n=600, lat_warmup=20, lat_rounds=3, lat_time_s=20.0)
 QUICK = dict(sizes=[16 * MIB, 64 * MIB], chunk=4 * MIB, reps=4, rounds=2, time_s=10.0,
              lat_n=150, lat_warmup=10, lat_rounds=2, lat_time_s=10.0)
 
 
-def spec(mode: str) -> dict[str, Any]:
-    return {"security": {"dataPlane": mode}}
+STREAMS = 4  # the default of spec.security.dataStreams
 
 
-def bulk_fleet(mode: str) -> C.Fleet:
+def spec(mode: str, streams: int = STREAMS) -> dict[str, Any]:
+    return {"security": {"dataPlane": mode, "dataStreams": streams}}
+
+
+def variant(mode: str, streams: int) -> str:
+    return mode if streams == STREAMS else f"{mode}_{streams}"
+
+
+VARIANTS = [(m, s) for s in (STREAMS, 1) for m in MODES]
+
+
+def bulk_fleet(mode: str, streams: int) -> C.Fleet:
     producer = {"name": "producer", "type": "python", "entrypoint": "bench.fns:produce"}
     consumer = {"name": "consumer", "type": "python", "entrypoint": "bench.fns:consume",
                 "inputs": ["producer"], "finalOutput": "text"}
-    fleet = C.Fleet(f"bulk-{mode}", [producer, consumer], spec=spec(mode))
+    fleet = C.Fleet(f"bulk-{variant(mode, streams)}", [producer, consumer], spec=spec(mode, streams))
     fleet.start_master()
     fleet.start_pod("prod", "producer")
     fleet.start_pod("cons", "consumer")
@@ -74,18 +87,19 @@ def chain_fleet(mode: str, n: int) -> C.Fleet:
 
 
 def run_bulk(cfg: dict) -> dict[str, Any]:
-    C.log("== bulk, two pods, curve vs plain-auth")
-    samples = {m: {(s, c): [] for s in cfg["sizes"] for c in (0, cfg["chunk"])} for m in MODES}
+    C.log(f"== bulk, two pods, curve vs plain-auth, {STREAMS} streams and 1")
+    names = [variant(m, s) for m, s in VARIANTS]
+    samples = {v: {(s, c): [] for s in cfg["sizes"] for c in (0, cfg["chunk"])} for v in names}
     fleets = {}
     try:
-        for m in MODES:
-            fleets[m] = bulk_fleet(m)
+        for m, s in VARIANTS:
+            fleets[variant(m, s)] = bulk_fleet(m, s)
         for r in range(cfg["rounds"]):
             for size in cfg["sizes"]:
                 for chunk in (0, cfg["chunk"]):
-                    for m in MODES:
-                        got = bulk_requests(fleets[m], size, chunk, cfg["reps"], cfg["time_s"])
-                        samples[m][(size, chunk)] += got["boundary"]
+                    for v in names:
+                        got = bulk_requests(fleets[v], size, chunk, cfg["reps"], cfg["time_s"])
+                        samples[v][(size, chunk)] += got["boundary"]
             C.log(f"round {r + 1}/{cfg['rounds']} done")
     finally:
         for f in fleets.values():
@@ -93,14 +107,15 @@ def run_bulk(cfg: dict) -> dict[str, Any]:
     rows = []
     for size in cfg["sizes"]:
         for chunk in (0, cfg["chunk"]):
-            t = {m: C.pct(samples[m][(size, chunk)], 50) for m in MODES}
+            t = {v: C.pct(samples[v][(size, chunk)], 50) for v in names}
             rows.append({"size": size, "chunk": chunk, "reps": len(samples["curve"][(size, chunk)]),
-                         **{f"{m}_p50_s": t[m] for m in MODES},
-                         **{f"{m}_gib_s": size / t[m] / (1 << 30) for m in MODES},
-                         "ratio": t["plain-auth"] / t["curve"]})
+                         **{f"{v}_p50_s": t[v] for v in names},
+                         **{f"{v}_gib_s": size / t[v] / (1 << 30) for v in names},
+                         "ratio": t["plain-auth"] / t["curve"],
+                         "ratio_one_plain": t["plain-auth_1"] / t["curve"]})
             C.log(f"{C.fmt_size(size)} {'frames ' + C.fmt_size(chunk) if chunk else 'one buffer'}: "
-                  f"curve {rows[-1]['curve_gib_s']:.2f} GiB/s, plain-auth {rows[-1]['plain-auth_gib_s']:.2f} GiB/s, "
-                  f"ratio {rows[-1]['ratio']:.2f}")
+                  + ", ".join(f"{v} {rows[-1][v + '_gib_s']:.2f}" for v in names)
+                  + f" GiB/s; ratio {rows[-1]['ratio']:.2f}")
     return {"rows": rows}
 
 
@@ -143,18 +158,17 @@ def raw_stream(mode: str, k: int, chunk: int, total: int) -> float:
         pull.curve_server = True
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     pushes = []
-    for _ in range(k):
+    for i in range(k):
         push = sctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.AFFINITY, 1 << i)
         if mode == "curve":
             push.curve_publickey, push.curve_secretkey = keys[1]
             push.curve_serverkey = keys[0][0]
         push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"x")  # up (handshake done) before the next connects: the receiver spreads them
+        pull.recv()
         pushes.append(push)
     buf = memoryview(bytearray(b"\x5a" * chunk))
-    for push in pushes:  # every connection up (handshake done) before the clock starts
-        push.send(b"x")
-    for _ in range(k):
-        pull.recv()
 
     def send() -> None:
         for j in range(total // chunk):
@@ -205,10 +219,14 @@ def report(res: dict, quick: bool) -> str:
              "CurveZMQ (`dataPlane: curve`) against the data plane without encryption (`plain-auth`), same run, "
              "interleaved rounds. Two pods on loopback; control port CurveZMQ in both.", "",
              C.facts_table(C.machine_facts()), "", "## Bulk (boundary time, p50)", ""]
+    lines.append(f"`dataStreams` {STREAMS} (the default) unless the column says 1 stream.")
+    lines.append("")
     lines.append(C.md_table(
-        ["size", "framing", "curve GiB/s", "plain-auth GiB/s", "curve / plain-auth (goal >= 0.5)", "reps"],
+        ["size", "framing", "curve GiB/s", "plain-auth GiB/s", "curve / plain-auth (goal >= 0.5)",
+         "curve, 1 stream", "plain-auth, 1 stream", "curve / plain-auth on 1 stream", "reps"],
         [[C.fmt_size(r["size"]), f"{C.fmt_size(r['chunk'])} frames" if r["chunk"] else "one buffer",
-          f"{r['curve_gib_s']:.2f}", f"{r['plain-auth_gib_s']:.2f}", f"{r['ratio']:.2f}", r["reps"]]
+          f"{r['curve_gib_s']:.2f}", f"{r['plain-auth_gib_s']:.2f}", f"{r['ratio']:.2f}",
+          f"{r['curve_1_gib_s']:.2f}", f"{r['plain-auth_1_gib_s']:.2f}", f"{r['ratio_one_plain']:.2f}", r["reps"]]
          for r in res["bulk"]["rows"]]))
     lat = res["latency"]
     lines += ["", "## Per-hop latency (HTTP, p50)", "", C.md_table(

@@ -43,7 +43,7 @@ KEYS_SECRET_SUFFIX = "-keys"
 KEY_FILES = ("server.public", "server.secret", "client.public", "client.secret", "token")
 
 # Wire protocol version; a stage whose version differs is refused at registration.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: striped data-port messages (stripes.py)
 
 # The project's version (pyproject.toml's; a unit test keeps them equal) names the images.
 PROJECT_VERSION = "0.1.0"

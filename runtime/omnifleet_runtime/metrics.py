@@ -186,6 +186,9 @@ class StageMetrics:
             s + ("route", "path"), r)
         self.bytes_in = Counter("omnifleet_worker_received_bytes_total",
                                 "Bytes that arrived on the data port, by upstream stage.", s + ("src",), r)
+        self.striped_in = Counter("omnifleet_worker_striped_messages_total",
+                                  "Data messages that came split over several connections and were put back "
+                                  "together.", s, r)
         self.rejected_frames = Counter("omnifleet_worker_rejected_frames_total",
                                        "Malformed or unexpected frames, by socket.", s + ("socket",), r)
         # Engine series: diffusion and audio stages (vLLM publishes its own `vllm:*`).

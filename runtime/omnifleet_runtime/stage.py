@@ -43,7 +43,8 @@ from aiohttp import web
 from zmq.utils.monitor import parse_monitor_message
 
 from . import constants as C
-from . import discovery, security, shm, tracing, wire
+from . import discovery, security, shm, stripes, tracing, wire
+from .links import Link
 from .engines import BadInput, Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .metrics import CONTENT_TYPE, StageMetrics, audio_seconds
 from .schema import OmniPipeline
@@ -144,6 +145,10 @@ class Job:
     waiting: set[str]  # upstream stages not at eof yet
     inputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     whole: dict[str, list[Any]] = field(default_factory=dict)
+    # Data is applied in each upstream's seq order: chunks may overtake each other (striped parts of a
+    # large one come over several connections).
+    next_seq: dict[str, int] = field(default_factory=dict)
+    early: dict[tuple[str, int], wire.Data] = field(default_factory=dict)
     task: asyncio.Task | None = None
     started: bool = False
     # For the metrics: when it was dispatched, got its first input, sent its last chunk; audio made.
@@ -190,6 +195,8 @@ class StageWorker:
         self.doc = doc
         self.keys, self.max_frame_bytes = keys, max_frame_bytes
         self.data_plane = doc.spec.security.data_plane
+        self.streams = doc.spec.security.data_streams
+        self.assembler = stripes.Assembler(max_frame_bytes, C.MAX_FRAMES)
         self.dropped = 0
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.stage = doc.spec.stage(stage)
@@ -204,7 +211,7 @@ class StageWorker:
         self.engine: Engine | None = None
         self.jobs: dict[tuple[str, int], Job] = {}
         self.pending: OrderedDict[tuple[str, int], list[tuple[float, wire.Data]]] = OrderedDict()
-        self.peers: OrderedDict[str, zmq.asyncio.Socket] = OrderedDict()
+        self.peers: OrderedDict[str, Link] = OrderedDict()
         self.shm_prefix = shm.pod_prefix(replica)
         self.bytes = {"tcp": 0, "shm": 0, "cuda_ipc": 0, "master": 0}
         self.queued = 0
@@ -251,7 +258,9 @@ class StageWorker:
             started.set()
         if self.engine.max_concurrency:
             self.slots = asyncio.Semaphore(int(self.engine.max_concurrency))
-        self.ctx = zmq.asyncio.Context()
+        # One I/O thread per data stream: each connection's encryption (and the receiver's decryption of
+        # its parts) runs on a core of its own.
+        self.ctx = zmq.asyncio.Context(io_threads=self.streams)
         self.auth = security.start_authenticator(self.ctx, self.keys)  # before the bind: no handshake unchecked
         self.data = self.ctx.socket(zmq.PULL)
         self.data.linger = 0
@@ -279,9 +288,9 @@ class StageWorker:
         except Exception as e:  # a dead engine may fail to shut down; the exit code already says why
             log.warning("engine shutdown failed: %s: %s", type(e).__name__, e)
         await metrics_runner.cleanup()
-        for sock in [self.data, *self.peers.values()]:
-            if sock is not None:
-                sock.close(linger=0)
+        for link in self.peers.values():
+            link.close()
+        self.data.close(linger=0)
         self.auth.stop()
         self.ctx.term()
         return self.exit_code
@@ -637,6 +646,34 @@ class StageWorker:
             log.warning("request %s: ignored data from %r (not an open input)", data.request_id, data.src)
             self._discard(data.payload)
             return
+        expected = job.next_seq.get(data.src, 0)
+        if data.seq != expected:
+            if data.seq < expected or (data.src, data.seq) in job.early:
+                log.warning("request %s: ignored chunk %d of %r (came twice)", data.request_id, data.seq, data.src)
+                self._discard(data.payload)
+            elif len(job.early) >= INPUTS_MAX:
+                self._discard(data.payload)
+                self._fail_inputs(job, OverflowError(f"more than {INPUTS_MAX} chunks came before an earlier one"))
+            else:
+                job.early[(data.src, data.seq)] = data
+            return
+        job.next_seq[data.src] = expected + 1
+        self._apply(job, data)
+        while (later := job.early.pop((data.src, job.next_seq[data.src]), None)) is not None:
+            job.next_seq[data.src] += 1
+            self._apply(job, later)
+
+    def _fail_inputs(self, job: Job, e: BaseException) -> None:
+        job.waiting.clear()  # the rest of this request's data is ignored (and discarded) as it comes
+        for held in job.early.values():
+            self._discard(held.payload)
+        job.early.clear()
+        job.inputs.put_nowait(e)
+
+    def _apply(self, job: Job, data: wire.Data) -> None:
+        if data.src not in job.waiting:  # an input processor failed on an earlier chunk
+            self._discard(data.payload)
+            return
         try:
             if data.eof:
                 job.waiting.discard(data.src)
@@ -652,8 +689,7 @@ class StageWorker:
                 job.whole[data.src].append(payload)
         except Exception as e:
             self._discard(data.payload)
-            job.waiting.clear()  # the rest of this request's data is ignored (and discarded) as it comes
-            job.inputs.put_nowait(RuntimeError(f"input processor failed: {type(e).__name__}: {e}"))
+            self._fail_inputs(job, RuntimeError(f"input processor failed: {type(e).__name__}: {e}"))
 
     @staticmethod
     def _put(job: Job, item: Any) -> None:
@@ -699,6 +735,8 @@ class StageWorker:
                 await self.engine.abort(msg.request_id)
         finally:
             self.jobs.pop(job.key, None)
+            for held in job.early.values():  # chunks whose predecessors never came
+                self._discard(held.payload)
             self._observe(job, outcome)
             for route, (span, nbytes, chunks) in job.transfers.items():
                 span.set_attribute("omnifleet.bytes", nbytes)
@@ -800,17 +838,16 @@ class StageWorker:
         t[2] += 1
 
     async def _send_peer(self, route: wire.Route, frames: list) -> None:
-        sock = self.peers.get(route.addr)
-        if sock is None:
-            sock = self.peers[route.addr] = self.ctx.socket(zmq.PUSH)
-            sock.linger = 0
-            security.secure_client(sock, self.keys, self.data_plane, self.max_frame_bytes)
-            sock.connect(route.addr)
+        link = self.peers.get(route.addr)
+        if link is None:
+            link = self.peers[route.addr] = Link(self.ctx, route.addr, self.streams, lambda sock: security.secure_client(
+                sock, self.keys, self.data_plane, self.max_frame_bytes))
             if len(self.peers) > PEER_SOCKETS_MAX:
-                self.peers.popitem(last=False)[1].close(linger=0)
+                self.peers.popitem(last=False)[1].close()
         self.peers.move_to_end(route.addr)
-        self.bytes["tcp"] += wire.frames_nbytes(frames)
-        await sock.send_multipart(frames, copy=False)
+        nbytes = wire.frames_nbytes(frames)
+        self.bytes["tcp"] += nbytes
+        await link.send(frames, nbytes)
 
     # ------------------------------------------------------------ data port
 
@@ -827,6 +864,11 @@ class StageWorker:
             if frames is None:
                 continue
             try:
+                if stripes.is_part(frames[0]):
+                    frames = self.assembler.add(frames)
+                    if frames is None:  # more parts to come
+                        continue
+                    self.metrics.striped_in.inc(stage=self.stage.name)
                 msg = wire.decode(frames)
                 if not isinstance(msg, wire.Data):
                     raise wire.WireError(f"unexpected {type(msg).__name__} on the data port")
@@ -851,5 +893,8 @@ class StageWorker:
             cutoff = time.monotonic() - PENDING_TTL_S
             for key in [k for k, v in self.pending.items() if v[0][0] < cutoff]:
                 self._drop_pending(self.pending.pop(key))
+            if n := self.assembler.expire():
+                log.warning("dropped %d data message(s) whose striped parts stopped coming", n)
+                self.dropped += n
             if n := shm.sweep(self.shm_prefix, older_than_s=SHM_LEFTOVER_AGE_S):
                 log.warning("swept %d shared-memory leftover(s) older than %.0fs", n, SHM_LEFTOVER_AGE_S)

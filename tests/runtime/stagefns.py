@@ -310,3 +310,23 @@ def media_entry(inputs, sampling_params, context):
 
 def media_next(inputs, sampling_params, context):
     return json.dumps({**inputs, "next": _media_summary(context.request.messages)})
+
+
+# ---- striped data: large chunks split over several connections, small ones in between
+
+STRIPED_SIZES = (24 << 20, 100, 12 << 20, 7, 9 << 20)
+
+
+def _pattern(i: int, n: int) -> bytes:
+    return bytes((i * 7 + k) % 251 for k in range(251)) * (n // 251) + bytes(n % 251)
+
+
+async def striped_source(inputs, sampling_params, context):
+    for i, n in enumerate(STRIPED_SIZES):
+        yield {"i": i, "blob": _pattern(i, n)}
+
+
+def striped_check(inputs, sampling_params, context):
+    """Per chunk (stream mode), in the order applied: its index and whether its bytes are exactly the sender's."""
+    data = inputs["blob"]
+    return f"{inputs['i']}:{len(data)}:{bytes(data) == _pattern(inputs['i'], len(data))};"

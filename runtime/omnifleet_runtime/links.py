@@ -1,0 +1,89 @@
+"""A stage's connections to one downstream data port (see stripes.py for why there are several).
+
+The first connection carries everything until the others are up. Each further
+one is pinned to its own libzmq I/O thread and connected only once the
+previous handshake is done: the receiver hands an accepted connection to its
+least loaded I/O thread, and connections that arrive together would all land
+on the same one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from . import stripes
+
+log = logging.getLogger("omnifleet.links")
+
+HANDSHAKE_WAIT_S = 5.0  # a connection not up by then ends the growing; the ones up keep serving
+
+
+class Link:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, streams: int, secure: Callable[[zmq.Socket], None]):
+        self.ctx, self.addr, self.secure = ctx, addr, secure
+        self.io_threads = max(1, ctx.get(zmq.IO_THREADS))
+        self.socks: list[zmq.asyncio.Socket] = []
+        first = self._socket(0)
+        self.grow: asyncio.Task | None = None
+        if streams > 1:  # the first handshake too must be done before the second connect
+            monitor = first.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            first.connect(addr)
+            self.grow = asyncio.get_running_loop().create_task(self._grow(streams, first, monitor))
+        else:
+            first.connect(addr)
+        self.socks.append(first)
+        self.up = 1  # socks[:up] carry messages; the one after them may be handshaking
+
+    def _socket(self, i: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.linger = 0
+        sock.setsockopt(zmq.AFFINITY, 1 << (i % self.io_threads))
+        self.secure(sock)
+        return sock
+
+    async def _handshake(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> bool:
+        try:
+            while True:
+                event = parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), HANDSHAKE_WAIT_S))
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+
+    async def _grow(self, streams: int, first: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        if not await self._handshake(first, monitor):
+            log.warning("data link to %s: no handshake in %gs; one connection only", self.addr, HANDSHAKE_WAIT_S)
+            return
+        for i in range(1, streams):
+            sock = self._socket(i)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            sock.connect(self.addr)
+            self.socks.append(sock)  # closed with the link even while handshaking
+            if not await self._handshake(sock, monitor):
+                self.socks.pop().close(linger=0)
+                log.warning("data link to %s: connection %d not up in %gs; %d serve", self.addr, i,
+                            HANDSHAKE_WAIT_S, self.up)
+                return
+            self.up = len(self.socks)
+
+    async def send(self, frames: list[Any], nbytes: int) -> None:
+        if self.up > 1 and nbytes >= stripes.STRIPE_MIN_BYTES:
+            for sock, part in zip(self.socks, stripes.split(frames, self.up)):
+                await sock.send_multipart(part, copy=False)
+        else:
+            await self.socks[0].send_multipart(frames, copy=False)
+
+    def close(self) -> None:
+        if self.grow is not None:
+            self.grow.cancel()
+        for sock in self.socks:
+            sock.close(linger=0)

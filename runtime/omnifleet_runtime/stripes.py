@@ -1,0 +1,162 @@
+"""Large data-port messages split over several connections, and put back together.
+
+One connection's encryption (CurveZMQ) runs on one libzmq I/O thread, about
+1 GiB/s per core: a single stream caps an encrypted route there. A stage
+therefore keeps `spec.security.dataStreams` connections to each downstream
+data port, each pinned to its own I/O thread (and connected only after the
+previous one's handshake, so the receiver's I/O threads take them in turn),
+and splits a message of at least STRIPE_MIN_BYTES into one part per
+connection. The receiver's I/O threads decrypt the parts in parallel; the
+Assembler here copies split buffers back into one (a buffer that a part holds
+whole is kept as received, no copy).
+
+A part is a multipart message whose frame 0 is MAGIC + a msgpack StripeHeader
+and whose other frames are pieces of the original message's frames. Parts of
+one message arrive in any order, and may be overtaken by later messages on
+another connection: receivers order a request's Data by `seq`, not by
+arrival. Everything in a header is checked before anything is allocated for
+it; what is held while parts are missing is bounded in bytes and time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+
+from .wire import WireError
+
+MAGIC = b"OFS1"  # never the start of a wire message (a msgpack map or array)
+STRIPE_MIN_BYTES = 8 << 20  # below it, one connection is as fast and no reassembly copy is paid
+STREAMS_MAX = 16
+ASSEMBLY_TTL_S = 60.0  # a message whose parts have not all come in this long is dropped
+
+
+class StripeHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    key: bytes  # the message's random id (16 bytes)
+    part: int
+    parts: int
+    sizes: list[int]  # every frame's size of the original message
+    spans: list[tuple[int, int]]  # (frame index, offset) of each piece this part carries, in order
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(StripeHeader)
+
+
+def is_part(frame: Any) -> bool:
+    return bytes(memoryview(frame)[:len(MAGIC)]) == MAGIC
+
+
+def split(frames: list[Any], n: int) -> list[list[Any]]:
+    """The message's frames as n parts of about equal bytes (views of the frames: nothing is copied)."""
+    views = [memoryview(f).cast("B") for f in frames]
+    sizes = [v.nbytes for v in views]
+    per = -(-sum(sizes) // n)
+    pieces: list[list[Any]] = [[] for _ in range(n)]
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    part, room = 0, per
+    for i, v in enumerate(views):
+        off = 0
+        while True:
+            take = min(room, v.nbytes - off)
+            pieces[part].append(v[off:off + take])
+            spans[part].append((i, off))
+            off += take
+            room -= take
+            if room == 0 and part < n - 1:
+                part, room = part + 1, per
+            if off >= v.nbytes:
+                break
+    key = os.urandom(16)
+    return [[MAGIC + _encoder.encode(StripeHeader(key, p, n, sizes, spans[p])), *pieces[p]] for p in range(n)]
+
+
+class _Open:
+    __slots__ = ("parts", "sizes", "bufs", "seen", "filled", "held", "since")
+
+    def __init__(self, parts: int, sizes: list[int], now: float):
+        self.parts, self.sizes, self.since = parts, sizes, now
+        self.bufs: list[Any] = [None] * len(sizes)
+        self.seen: set[int] = set()
+        self.filled = self.held = 0
+
+
+class Assembler:
+    """Parts in, whole messages (their frame lists) out; bounded in bytes held and in time."""
+
+    def __init__(self, max_bytes: int, max_frames: int, ttl_s: float = ASSEMBLY_TTL_S):
+        self.max_bytes, self.max_frames, self.ttl_s = max_bytes, max_frames, ttl_s
+        self.open: OrderedDict[bytes, _Open] = OrderedDict()
+        self.held = 0  # bytes allocated or kept for open messages
+        self.dropped = 0  # messages given up (expired, or evicted to stay under max_bytes)
+
+    def add(self, frames: list[Any], now: float | None = None) -> list[Any] | None:
+        """The whole message once this part completes it, else None; WireError for a part that is not valid."""
+        now = time.monotonic() if now is None else now
+        try:
+            h = _decoder.decode(memoryview(frames[0])[len(MAGIC):])
+        except Exception as e:
+            raise WireError(f"stripe header: {type(e).__name__}: {e}") from None
+        if len(h.key) != 16 or not 2 <= h.parts <= STREAMS_MAX or not 0 <= h.part < h.parts:
+            raise WireError(f"stripe header: part {h.part} of {h.parts}")
+        if not 1 <= len(h.sizes) <= self.max_frames or min(h.sizes) < 0 or sum(h.sizes) > self.max_bytes:
+            raise WireError(f"stripe header: {len(h.sizes)} frames of {sum(h.sizes)} bytes")
+        if len(h.spans) != len(frames) - 1:
+            raise WireError(f"stripe header: {len(h.spans)} spans for {len(frames) - 1} pieces")
+        for (i, off), piece in zip(h.spans, frames[1:]):
+            if not 0 <= i < len(h.sizes) or off < 0 or off + len(piece) > h.sizes[i]:
+                raise WireError(f"stripe piece ({i}, {off}) of {len(piece)} bytes outside its frame")
+        entry = self.open.get(h.key)
+        if entry is None:
+            entry = self.open[h.key] = _Open(h.parts, h.sizes, now)
+        elif entry.parts != h.parts or entry.sizes != h.sizes:
+            raise WireError("stripe parts of one message disagree on its layout")
+        if h.part in entry.seen:
+            raise WireError(f"stripe part {h.part} came twice")
+        entry.seen.add(h.part)
+        grew = 0
+        for (i, off), piece in zip(h.spans, frames[1:]):
+            n = len(piece)
+            if off == 0 and n == h.sizes[i] and entry.bufs[i] is None:
+                entry.bufs[i] = piece  # whole: kept as received
+                grew += n
+            else:
+                if entry.bufs[i] is None:
+                    entry.bufs[i] = bytearray(h.sizes[i])
+                    grew += h.sizes[i]
+                elif not isinstance(entry.bufs[i], bytearray):
+                    raise WireError(f"stripe pieces overlap in frame {i}")
+                memoryview(entry.bufs[i])[off:off + n] = memoryview(piece).cast("B")
+            entry.filled += n
+        entry.held += grew
+        self.held += grew
+        if len(entry.seen) < entry.parts:
+            self._bound(keep=h.key)
+            return None
+        self._forget(h.key)
+        if entry.filled != sum(entry.sizes):
+            raise WireError("stripe pieces overlap or leave gaps")
+        return [b"" if b is None else b for b in entry.bufs]
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop messages whose parts stopped coming; how many."""
+        now = time.monotonic() if now is None else now
+        old = [k for k, e in self.open.items() if now - e.since > self.ttl_s]
+        for k in old:
+            self._forget(k)
+        self.dropped += len(old)
+        return len(old)
+
+    def _bound(self, keep: bytes) -> None:
+        while self.held > self.max_bytes and len(self.open) > 1:
+            oldest = next(k for k in self.open if k != keep)
+            self._forget(oldest)
+            self.dropped += 1
+
+    def _forget(self, key: bytes) -> None:
+        entry = self.open.pop(key)
+        self.held -= entry.held

@@ -1,0 +1,113 @@
+"""Splitting a message over several connections and putting it back: round trips in any part order,
+and every malformed or hostile part refused (WireError) with what is held bounded."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import msgspec
+import pytest
+
+from omnifleet_runtime import stripes, wire
+from omnifleet_runtime.stripes import MAGIC, Assembler, StripeHeader, split
+
+
+def message(seed: int) -> list:
+    rng = random.Random(seed)
+    frames = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))]
+    for _ in range(rng.randrange(0, 5)):
+        frames.append(rng.randbytes(rng.choice([0, 1, 1000, 4096, 65537, 1 << 20])))
+    return frames
+
+
+def received(part: list) -> list:
+    return [bytes(memoryview(f)) for f in part]  # what a receiver holds: its own copies
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("n", [2, 3, 4, 16])
+def test_parts_in_any_order_give_the_message_back(seed, n):
+    frames = message(seed)
+    parts = split(frames, n)
+    assert len(parts) == n and all(stripes.is_part(p[0]) for p in parts)
+    assert sum(len(memoryview(f)) for p in parts for f in p[1:]) == sum(len(f) for f in frames)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    asm = Assembler(max_bytes=1 << 30, max_frames=64)
+    outs = [asm.add(received(parts[i])) for i in order]
+    assert outs[:-1] == [None] * (n - 1)
+    assert [bytes(memoryview(f)) for f in outs[-1]] == frames
+    assert asm.held == 0 and not asm.open
+
+
+def test_a_real_wire_message_survives_and_whole_pieces_are_not_copied():
+    big = bytes(range(256)) * (3 << 12)  # 3 MiB
+    frames = wire.encode(wire.Data("r", 0, "a", 5, {"x": wire.Array("uint8", (len(big),), big), "t": "hi"}))
+    parts = split(frames, 2)
+    asm = Assembler(1 << 30, 64)
+    kept = [received(p) for p in parts]
+    assert asm.add(kept[1]) is None
+    out = asm.add(kept[0])
+    msg = wire.decode(out)
+    assert msg.seq == 5 and msg.payload["t"] == "hi" and bytes(msg.payload["x"].data) == big
+    assert out[0] is kept[0][1]  # frame 0 came whole in part 0: kept as received
+
+
+def test_wire_messages_are_never_mistaken_for_parts():
+    for msg in (wire.Data("r", 0, "a", 0, "x"), wire.Data("r", 0, "a", 1, eof=True)):
+        assert not stripes.is_part(wire.encode(msg)[0])
+
+
+def header(**over) -> bytes:
+    h = {"key": b"k" * 16, "part": 0, "parts": 2, "sizes": [4, 4], "spans": [(0, 0)]}
+    h.update(over)
+    return MAGIC + msgspec.msgpack.encode(StripeHeader(**h))
+
+
+@pytest.mark.parametrize("frames, why", [
+    ([MAGIC + b"\xc1"], "stripe header"),
+    ([MAGIC + msgspec.msgpack.encode([1, 2, 3])], "stripe header"),
+    ([header(parts=1), b"abcd"], "part 0 of 1"),
+    ([header(parts=17), b"abcd"], "part 0 of 17"),
+    ([header(part=2), b"abcd"], "part 2 of 2"),
+    ([header(key=b"short"), b"abcd"], "part 0 of 2"),
+    ([header(sizes=[]), b"abcd"], "0 frames"),
+    ([header(sizes=[-1, 9]), b"abcd"], "2 frames"),
+    ([header(sizes=[1 << 20, 1 << 20]), b"abcd"], "2 frames of 2097152 bytes"),
+    ([header(sizes=[1] * 65), b"a"], "65 frames"),
+    ([header(), b"abcd", b"e"], "1 spans for 2 pieces"),
+    ([header(spans=[(2, 0)]), b"abcd"], "outside its frame"),
+    ([header(spans=[(0, 1)]), b"abcd"], "outside its frame"),
+    ([header(spans=[(0, -1)]), b"ab"], "outside its frame"),
+])
+def test_malformed_parts_are_refused_before_anything_is_held(frames, why):
+    asm = Assembler(max_bytes=1 << 20, max_frames=64)
+    with pytest.raises(wire.WireError, match=why):
+        asm.add(frames)
+    assert asm.held == 0 and not asm.open
+
+
+def test_parts_that_disagree_repeat_or_overlap_are_refused():
+    asm = Assembler(1 << 20, 64)
+    assert asm.add([header(spans=[(0, 0)]), b"abcd"]) is None
+    with pytest.raises(wire.WireError, match="came twice"):
+        asm.add([header(spans=[(1, 0)]), b"efgh"])
+    with pytest.raises(wire.WireError, match="disagree"):
+        asm.add([header(part=1, sizes=[4, 5]), b"efgh"])
+    with pytest.raises(wire.WireError, match="overlap"):  # frame 0 already came whole
+        asm.add([header(part=1, spans=[(0, 2)]), b"cd"])
+    asm = Assembler(1 << 20, 64)
+    asm.add([header(spans=[(0, 0), (1, 0)]), b"ab", b"ef"])
+    with pytest.raises(wire.WireError, match="overlap or leave gaps"):  # frame 1's 2nd half never comes
+        asm.add([header(part=1, spans=[(0, 1)]), b"bc"])
+    assert asm.held == 0 and not asm.open  # a message that cannot complete is not kept
+
+
+def test_what_waits_for_missing_parts_is_bounded_in_bytes_and_time():
+    asm = Assembler(max_bytes=1 << 20, max_frames=64, ttl_s=10)
+    for i, t in zip(range(6), itertools.count()):  # six half-messages of 256 KiB each: over the bound
+        asm.add([header(key=bytes([i]) * 16, sizes=[256 << 10, 0], spans=[(0, 0)]), b"x" * (128 << 10)], now=t)
+        assert asm.held <= 1 << 20
+    assert asm.dropped == 2 and len(asm.open) == 4
+    assert asm.expire(now=12.5) == 1 and asm.expire(now=100) == 3 and asm.held == 0
