@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -197,6 +198,8 @@ class StageWorker:
         self.data_plane = doc.spec.security.data_plane
         self.streams = doc.spec.security.data_streams
         self.assembler = stripes.Assembler(max_frame_bytes, C.MAX_FRAMES)
+        self.copy_pool: ThreadPoolExecutor | None = None  # puts split buffers back together, off the loop
+        self.copy_tasks: set[asyncio.Task] = set()
         self.dropped = 0
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
         self.stage = doc.spec.stage(stage)
@@ -280,9 +283,11 @@ class StageWorker:
         await self.stopping.wait()
         if self.exit_code == 0:
             await self._drain()
-        for t in tasks:
+        for t in [*tasks, *self.copy_tasks]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *self.copy_tasks, return_exceptions=True)
+        if self.copy_pool is not None:
+            self.copy_pool.shutdown(wait=False)
         try:
             await self.engine.shutdown()
         except Exception as e:  # a dead engine may fail to shut down; the exit code already says why
@@ -863,27 +868,57 @@ class StageWorker:
                 continue
             if frames is None:
                 continue
-            try:
-                if stripes.is_part(frames[0]):
-                    frames = self.assembler.add(frames)
-                    if frames is None:  # more parts to come
-                        continue
-                    self.metrics.striped_in.inc(stage=self.stage.name)
-                msg = wire.decode(frames)
-                if not isinstance(msg, wire.Data):
-                    raise wire.WireError(f"unexpected {type(msg).__name__} on the data port")
-            except wire.WireError as e:
-                log.warning("rejected frame on the data port: %s", e)
-                self.metrics.rejected_frames.inc(stage=self.stage.name, socket="data")
+            if not stripes.is_part(frames[0]):
+                self._on_data(frames)
                 continue
-            self.metrics.bytes_in.inc(wire.frames_nbytes(frames), stage=self.stage.name, src=msg.src)
-            job = self.jobs.get((msg.request_id, msg.attempt))
-            if job is not None:
-                self._feed(job, msg)
-            else:  # its Dispatch has not arrived yet (it travels another way)
-                self.pending.setdefault((msg.request_id, msg.attempt), []).append((time.monotonic(), msg))
-                if len(self.pending) > PENDING_MAX:
-                    self._drop_pending(self.pending.popitem(last=False)[1])
+            try:
+                key, copies = self.assembler.take(frames)
+            except wire.WireError as e:
+                self._rejected(e)
+                continue
+            if copies:  # off the loop, parts in parallel; the loop goes on receiving the other parts
+                task = asyncio.get_running_loop().create_task(self._assemble(key, copies))
+                self.copy_tasks.add(task)
+                task.add_done_callback(self.copy_tasks.discard)
+            else:
+                self._assembled(key)
+
+    async def _assemble(self, key: bytes, copies: list) -> None:
+        if self.copy_pool is None:
+            self.copy_pool = ThreadPoolExecutor(self.streams, thread_name_prefix="stripes")
+        await asyncio.get_running_loop().run_in_executor(self.copy_pool, stripes.copy, copies)
+        self._assembled(key)
+
+    def _assembled(self, key: bytes) -> None:
+        try:
+            frames = self.assembler.done(key)
+        except wire.WireError as e:
+            self._rejected(e)
+            return
+        if frames is not None:
+            self.metrics.striped_in.inc(stage=self.stage.name)
+            self._on_data(frames)
+
+    def _rejected(self, e: Exception) -> None:
+        log.warning("rejected frame on the data port: %s", e)
+        self.metrics.rejected_frames.inc(stage=self.stage.name, socket="data")
+
+    def _on_data(self, frames: list) -> None:
+        try:
+            msg = wire.decode(frames)
+            if not isinstance(msg, wire.Data):
+                raise wire.WireError(f"unexpected {type(msg).__name__} on the data port")
+        except wire.WireError as e:
+            self._rejected(e)
+            return
+        self.metrics.bytes_in.inc(wire.frames_nbytes(frames), stage=self.stage.name, src=msg.src)
+        job = self.jobs.get((msg.request_id, msg.attempt))
+        if job is not None:
+            self._feed(job, msg)
+        else:  # its Dispatch has not arrived yet (it travels another way)
+            self.pending.setdefault((msg.request_id, msg.attempt), []).append((time.monotonic(), msg))
+            if len(self.pending) > PENDING_MAX:
+                self._drop_pending(self.pending.popitem(last=False)[1])
 
     async def _gc_loop(self) -> None:
         """Drop early data whose Dispatch never came (the request was aborted meanwhile), and old

