@@ -34,6 +34,7 @@ MAGIC = b"OFS1"  # never the start of a wire message (a msgpack map or array)
 STRIPE_MIN_BYTES = 8 << 20  # below it, one connection is as fast and no reassembly copy is paid
 STREAMS_MAX = 16
 ASSEMBLY_TTL_S = 60.0  # a message whose parts have not all come in this long is dropped
+PIECE_MAX = 4 << 20  # CurveZMQ encrypts a frame with two scratch copies of it: 4 MiB frames stay in malloc's pools
 HUGE_MIN = 2 << 20  # reassembly buffers this large are backed by transparent huge pages where possible
 
 
@@ -85,7 +86,7 @@ def split(frames: list[Any], n: int) -> list[list[Any]]:
     for i, v in enumerate(views):
         off = 0
         while True:
-            take = min(room, v.nbytes - off)
+            take = min(room, v.nbytes - off, PIECE_MAX)
             pieces[part].append(v[off:off + take])
             spans[part].append((i, off))
             off += take

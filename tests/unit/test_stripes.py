@@ -54,6 +54,17 @@ def test_a_real_wire_message_survives_and_whole_pieces_are_not_copied():
     assert out[0] is kept[0][1]  # frame 0 came whole in part 0: kept as received
 
 
+def test_pieces_are_at_most_four_mib_and_views_of_the_sender_frames():
+    frames = [b"h" * 10, bytes(range(256)) * (9 << 12)]  # a 9 MiB buffer
+    parts = split(frames, 2)
+    pieces = [f for p in parts for f in p[1:]]
+    assert max(len(f) for f in pieces) == stripes.PIECE_MAX and len(pieces) == 5  # 10 B, 4 MiB, rest | 4 MiB, rest
+    assert all(isinstance(f, memoryview) for f in pieces)
+    asm = Assembler(1 << 30, 64)
+    assert asm.add(received(parts[1])) is None
+    assert [bytes(memoryview(f)) for f in asm.add(received(parts[0]))] == frames
+
+
 def test_wire_messages_are_never_mistaken_for_parts():
     for msg in (wire.Data("r", 0, "a", 0, "x"), wire.Data("r", 0, "a", 1, eof=True)):
         assert not stripes.is_part(wire.encode(msg)[0])
