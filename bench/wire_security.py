@@ -11,8 +11,8 @@ here. The control port uses CurveZMQ in both.
 1. Bulk: a producer stage returns N bytes, a consumer stage in another pod
    touches every page (bench.fns:produce/consume); the boundary time is stamped
    inside the stages. One buffer, and the same bytes in 4 MiB frames. Both
-   modes with the default `dataStreams` (4: a message of 8 MiB or more split
-   over four connections, each on its own I/O thread) and with one stream.
+   modes with the default `dataStreams` (8: a message of 8 MiB or more split
+   over eight connections, each on its own I/O thread), with 4 and with 1.
    Ratio = throughput(curve) / throughput(plain-auth), default streams both,
    goal >= 0.5; also curve over plain-auth on one connection.
 2. Per-hop latency: chains of 1 and 3 no-op stages; per hop =
@@ -51,7 +51,7 @@ QUICK = dict(sizes=[16 * MIB, 64 * MIB], chunk=4 * MIB, reps=4, rounds=2, time_s
              lat_n=150, lat_warmup=10, lat_rounds=2, lat_time_s=10.0)
 
 
-STREAMS = 4  # the default of spec.security.dataStreams
+STREAMS = 8  # the default of spec.security.dataStreams
 
 
 def spec(mode: str, streams: int = STREAMS) -> dict[str, Any]:

@@ -540,7 +540,7 @@ class Security(Model):
         "mesh or WireGuard). The master's control port always uses CurveZMQ.",
     )
     data_streams: int = Field(
-        4, ge=1, le=16,
+        8, ge=1, le=16,
         description="Connections from a stage to each downstream data port. A message of 8 MiB or more is split "
         "over them, each encrypted and decrypted on its own I/O thread (CurveZMQ moves about 1 GiB/s per core, "
         "so one connection caps an encrypted route there); the stage's container gets as many ZMQ I/O threads.",
