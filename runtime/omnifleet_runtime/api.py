@@ -251,6 +251,8 @@ class Api:
             return run
         reply = Reply(kind, bool(body.get("return_token_ids")),
                       audio_format if kind == "chat" and "audio" in (body.get("modalities") or []) else None)
+        options = body.get("stream_options")
+        reply.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         try:
             if body.get("stream"):
                 return await self._stream(request, run, reply)
@@ -316,6 +318,8 @@ class Api:
                     break
                 else:
                     await send(self._chunk(run, reply, None, first))
+                    if reply.include_usage:  # as OpenAI: one more chunk, no choices, the usage
+                        await send({**self._chunk(run, reply, None, first), "choices": [], "usage": ev.payload})
                     break
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -323,28 +327,27 @@ class Api:
             pass  # the client left; the caller aborts the request
         return resp
 
-    async def _events(self, run: Run) -> tuple[list[Event], Event | None]:
-        """Every output event of a finished run, or the error event that ended it."""
+    async def _events(self, run: Run) -> tuple[list[Event], Event]:
+        """Every output event of a finished run, and the event that ended it (end, with the usage, or error)."""
         out: list[Event] = []
         while True:
             ev: Event = await run.events.get()
-            if ev.kind == "error":
+            if ev.kind in ("error", "end"):
                 return out, ev
-            if ev.kind == "end":
-                return out, None
             out.append(ev)
 
     async def _collect(self, run: Run, reply: "Reply") -> web.Response:
-        events, err = await self._events(run)
-        if err is not None:
-            return error_response(err.status, err.message, err.code)
+        events, last = await self._events(run)
+        if last.kind == "error":
+            return error_response(last.status, last.message, last.code)
         try:
-            body = await off_loop([ev.payload for ev in events], lambda: self._collected(run, reply, events))
+            body = await off_loop([ev.payload for ev in events],
+                                  lambda: self._collected(run, reply, events, last.payload))
         except media.MediaError as e:
             return error_response(502, f"a final stage sent output that cannot be encoded: {e}", "bad_output")
         return web.Response(body=body, content_type="application/json")
 
-    def _collected(self, run: Run, reply: "Reply", events: list[Event]) -> bytes:
+    def _collected(self, run: Run, reply: "Reply", events: list[Event], usage: dict[str, Any]) -> bytes:
         """The JSON answer of a finished chat or completion request (in a worker thread when large)."""
         text: list[str] = []
         ids: list[int] = []
@@ -381,7 +384,7 @@ class Api:
             choice["token_ids"] = ids
         return json.dumps({
             "id": run.id, "object": obj, "created": int(time.time()), "model": run.info.model,
-            "choices": [choice],
+            "choices": [choice], "usage": usage,
         }).encode()
 
     # ------------------------------------------------------------ images and speech
@@ -417,11 +420,11 @@ class Api:
         if isinstance(run, web.Response):
             return run
         try:
-            events, err = await self._events(run)
+            events, last = await self._events(run)
         finally:
             self.orch.abort(run)
-        if err is not None:
-            return error_response(err.status, err.message, err.code)
+        if last.kind == "error":
+            return error_response(last.status, last.message, last.code)
         key = "b64_json" if fmt == "b64_json" else "url"
         prefix = "" if fmt == "b64_json" else "data:image/png;base64,"
 
@@ -459,9 +462,9 @@ class Api:
         try:
             if stream_format == "sse" or fmt == "pcm":
                 return await self._stream_speech(request, run, sse=stream_format == "sse")
-            events, err = await self._events(run)
-            if err is not None:
-                return error_response(err.status, err.message, err.code)
+            events, last = await self._events(run)
+            if last.kind == "error":
+                return error_response(last.status, last.message, last.code)
             seconds = self.limits.max_audio_seconds
             try:
                 data = await asyncio.to_thread(lambda: media.encode_audio(media.join_audio(
@@ -549,6 +552,7 @@ class Reply:
         self.token_ids = token_ids
         self.audio = audio  # None, "pcm16" or one of media.AUDIO_TYPES
         self.audio_id = f"audio_{uuid.uuid4().hex[:24]}"
+        self.include_usage = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def _audio_format(body: dict[str, Any]) -> str:

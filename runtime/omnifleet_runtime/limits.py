@@ -147,6 +147,10 @@ class RequestCheck:
             raise BadRequest("'model' must be a string")
         self._sampling(body, "")
         self._stage_sampling(body.get("stage_sampling_params"))
+        options = body.get("stream_options")
+        if options is not None and (not isinstance(options, dict) or any(
+                k != "include_usage" or not isinstance(v, bool) for k, v in options.items())):
+            raise BadRequest("'stream_options' must be an object like {\"include_usage\": true}")
         if kind == "chat":
             self._messages(body.get("messages"))
             self._template_kwargs(body.get("chat_template_kwargs"), "chat_template_kwargs")

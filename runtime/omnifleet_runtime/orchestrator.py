@@ -83,6 +83,7 @@ class Run:
     expiry: asyncio.TimerHandle | None = None
     first_outputs: set[str] = field(default_factory=set)  # final stages that have sent a chunk
     done_at: dict[str, float] = field(default_factory=dict)  # this attempt's finished stages
+    tokens: dict[str, tuple[int, int]] = field(default_factory=dict)  # stage -> (prompt, completion) tokens
     light_info: wire.RequestInfo | None = None  # info without decoded media: what stages past the entry get
     span: Any = None  # the request's trace span; one child per stage attempt in `spans`
     spans: dict[str, Any] = field(default_factory=dict)
@@ -275,6 +276,8 @@ class Orchestrator:
             return
         run.pending.discard(msg.stage)
         rep.outstanding -= 1
+        if msg.prompt_tokens or msg.completion_tokens:
+            run.tokens[msg.stage] = (msg.prompt_tokens, msg.completion_tokens)
         now = run.done_at[msg.stage] = time.monotonic()
         self.metrics.hop_latency.observe(now - run.dispatched_at, stage=msg.stage)
         tracing.end(run.spans.pop(msg.stage, None), msg.error)
@@ -285,7 +288,14 @@ class Orchestrator:
             self._fail(run, f"stage {msg.stage!r} (replica {rep.replica}) failed: {msg.error}")
         elif not run.pending:
             self._observe_shares(run)
-            self._close(run, Event("end"), "ok")
+            self._close(run, Event("end", payload=self._usage(run)), "ok")
+
+    def _usage(self, run: Run) -> dict[str, Any]:
+        """OpenAI's usage: the entry stage's prompt, the final stages' completions; and every stage's own."""
+        prompt = sum(p for s, (p, _) in run.tokens.items() if not self.spec.stage(s).inputs)
+        completion = sum(c for s, (_, c) in run.tokens.items() if s in run.final)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "stages": {s: {"prompt_tokens": p, "completion_tokens": c} for s, (p, c) in run.tokens.items()}}
 
     def _observe_shares(self, run: Run) -> None:
         """Each stage's share of a finished request: from the last of its inputs finishing until it finished.

@@ -157,6 +157,8 @@ class Job:
     first_input: float = 0.0
     last_chunk: float = 0.0
     audio_s: float = 0.0
+    prompt_tokens: int = 0  # as the engine's outputs report them (token_ids, prompt_token_ids)
+    completion_tokens: int = 0
     span: Any = None  # this attempt's trace span here; one child per route in `transfers`
     transfers: dict[str, list] = field(default_factory=dict)  # route -> [span, bytes, chunks]
     session: MasterSession | None = None  # the master that dispatched it: the only one told about it
@@ -733,8 +735,8 @@ class StageWorker:
                 error, bad_input = f"{type(e).__name__}: {e}", isinstance(e, BadInput)
                 log.warning("request %s failed: %s", msg.request_id, error)
             outcome = "ok" if error is None else "error"
-            await self._send_master(wire.Done(msg.request_id, msg.attempt, self.stage.name, seq, error, bad_input),
-                                    job.session)
+            await self._send_master(wire.Done(msg.request_id, msg.attempt, self.stage.name, seq, error, bad_input,
+                                              job.prompt_tokens, job.completion_tokens), job.session)
         except asyncio.CancelledError:  # aborted by the master, or it is gone: no Done expected
             if self.engine.dead() is None:  # a dead engine holds nothing to free
                 await self.engine.abort(msg.request_id)
@@ -785,6 +787,11 @@ class StageWorker:
             m.chunk_seconds.observe(now - job.last_chunk, stage=stage)
         job.last_chunk = now
         m.chunks.inc(stage=stage)
+        if isinstance(out, dict):
+            if isinstance(ids := out.get("token_ids"), (list, tuple)):
+                job.completion_tokens += len(ids)
+            if isinstance(ids := out.get("prompt_token_ids"), (list, tuple)):
+                job.prompt_tokens = max(job.prompt_tokens, len(ids))
         if self.stage.final_output == "audio":
             seconds = audio_seconds(out)
             job.audio_s += seconds

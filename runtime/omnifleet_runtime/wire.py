@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable, Union
+from typing import Annotated, Any, Callable, Union
 
 import msgspec
 
@@ -202,6 +202,9 @@ class Done(Msg):
     chunks: int = 0
     error: str | None = None
     bad_input: bool = False  # the request itself was wrong: the client gets 400
+    # Tokens the stage's engine read and wrote for this request (0: none reported, e.g. a python stage).
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    completion_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class ControlReply(Msg):

@@ -210,6 +210,13 @@ def test_chat_greedy_tokens_equal_the_engines_called_directly(fleet):
     (d2,) = direct(fleet, "talker", [d1["text"]], TALKER)["outputs"]
     assert d2["token_ids"] == talker_ids
     assert d2["text"] == content
+    # usage: what each engine read and wrote, as its own outputs said
+    usage = body["usage"]
+    assert usage["stages"]["thinker"] == {"prompt_tokens": len(d1["prompt_token_ids"]),
+                                          "completion_tokens": len(thinker_ids)}
+    assert usage["stages"]["talker"] == {"prompt_tokens": len(d2["prompt_token_ids"]),
+                                         "completion_tokens": len(talker_ids)}
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(d1["prompt_token_ids"]), len(talker_ids))
 
 
 def test_seeded_sampling_equals_the_engines_called_directly(fleet):

@@ -330,3 +330,15 @@ def striped_check(inputs, sampling_params, context):
     """Per chunk (stream mode), in the order applied: its index and whether its bytes are exactly the sender's."""
     data = inputs["blob"]
     return f"{inputs['i']}:{len(data)}:{bytes(data) == _pattern(inputs['i'], len(data))};"
+
+
+# ---- usage: stages that report tokens the way llm stages do (token_ids, prompt_token_ids)
+
+def counted_entry(inputs, sampling_params, context):
+    words = prompt_text(inputs).split()
+    return {"text": " ".join(words), "prompt_token_ids": list(range(len(words))), "token_ids": [7] * (2 * len(words))}
+
+
+async def counted_final(inputs, sampling_params, context):
+    for i in range(3):
+        yield {"text": f"t{i}", "token_ids": [i, i]}

@@ -104,6 +104,8 @@ def test_bad_types_and_oversized_fields_are_400_naming_the_field(make_fleet):
         ("/v1/chat/completions", {"messages": "hi"}, "'messages' must be a non-empty list"),
         ("/v1/chat/completions", {"messages": [{"role": 1, "content": "x"}]}, "'messages[0].role'"),
         ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, "'stream' must be true or false"),
+        ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": 1}}, "'stream_options'"),
+        ("/v1/completions", {"prompt": "p", "stream_options": [True]}, "'stream_options' must be an object"),
         ("/v1/chat/completions", {"messages": CHAT, "seed": 2**70}, "'seed' must be from"),
         ("/v1/chat/completions", {"messages": CHAT, "sneaky": 1}, "unknown field 'sneaky'"),
         ("/v1/chat/completions", {"messages": CHAT, "timeout": 10**9}, "'timeout' must be a number of seconds"),

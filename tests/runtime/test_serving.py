@@ -197,3 +197,29 @@ def test_no_replica_gives_503_and_waiting_requests_survive(make_fleet):
     (fleet.dir / "gate").touch()
     waiter.join(timeout=30)
     assert result["out"].choices[0].text == "kept@pod-a"
+
+
+def test_usage_counts_the_tokens_each_stage_reports(make_fleet):
+    """usage: the entry stage's prompt tokens, the final stage's completion tokens, and every stage's own;
+    streamed as OpenAI does when stream_options.include_usage asks (a last chunk without choices)."""
+    fleet = make_fleet(pipeline(stage("a", "counted_entry"), stage("b", "counted_final", inputs=["a"],
+                                                                     finalOutput="text")))
+    fleet.start_master()
+    fleet.start_pod("pod-a", "a")
+    fleet.start_pod("pod-b", "b")
+    fleet.wait_ready()
+    want = {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+            "stages": {"a": {"prompt_tokens": 3, "completion_tokens": 6}, "b": {"prompt_tokens": 0,
+                                                                                "completion_tokens": 6}}}
+    status, body = fleet.http("POST", "/v1/completions", {"model": "test", "prompt": "one two three"})
+    assert status == 200 and body["choices"][0]["text"] == "t0t1t2" and body["usage"] == want, body
+    client = fleet.openai()
+    chat = client.chat.completions.create(model="test", messages=[{"role": "user", "content": "one two three"}])
+    assert chat.usage.prompt_tokens == 3 and chat.usage.completion_tokens == 6 and chat.usage.total_tokens == 9
+    chunks = list(client.chat.completions.create(model="test", messages=[{"role": "user", "content": "a b c"}],
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1) and chunks[-1].choices == []
+    assert chunks[-1].usage.model_dump()["stages"] == want["stages"] and chunks[-1].usage.total_tokens == 9
+    plain = list(client.chat.completions.create(model="test", messages=[{"role": "user", "content": "a b c"}],
+                                                stream=True))
+    assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason == "stop"
