@@ -246,28 +246,36 @@ class Api:
             except BadRequest as e:
                 self.metrics.refused.inc(reason="invalid")
                 return error_response(400, str(e), "invalid_request_error")
-        run = self._start(body, kind, "req", "messages" if kind == "chat" else "prompt", sampling, final)
-        if isinstance(run, web.Response):
-            return run
+        runs: list[Run] = []
+        for i in range(body.get("n") or 1):  # n choices: n runs of the whole pipeline, one choice each
+            run = self._start(body, kind, "req", "messages" if kind == "chat" else "prompt",
+                              _nth(sampling, self.entry, i) if (body.get("n") or 1) > 1 else sampling, final)
+            if isinstance(run, web.Response):
+                for started in runs:
+                    self.orch.abort(started)
+                return run
+            runs.append(run)
         reply = Reply(kind, bool(body.get("return_token_ids")),
                       audio_format if kind == "chat" and "audio" in (body.get("modalities") or []) else None)
         options = body.get("stream_options")
         reply.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         try:
             if body.get("stream"):
-                return await self._stream(request, run, reply)
-            return await self._collect(run, reply)
+                return await self._stream(request, runs, reply)
+            return await self._collect(runs, reply)
         finally:
-            self.orch.abort(run)  # a no-op once the request finished; stops every stage if the client left
+            for run in runs:  # a no-op once the request finished; stops every stage if the client left
+                self.orch.abort(run)
 
-    def _chunk(self, run: Run, reply: "Reply", ev: Event | None, first: bool) -> dict[str, Any]:
+    def _chunk(self, run: Run, reply: "Reply", ev: Event | None, first: bool, index: int = 0,
+               ident: str | None = None) -> dict[str, Any]:
         created = int(time.time())
         kind = reply.kind
         ftype = self.final_types[ev.stage] if ev is not None else None
         if kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             finish = None
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
             if ev is None:
                 finish = "stop"
             elif ftype == "text":
@@ -282,7 +290,7 @@ class Api:
             choice.update(finish_reason=finish, logprobs=None)
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": "", "finish_reason": None if ev else "stop", "logprobs": None}
+            choice = {"index": index, "text": "", "finish_reason": None if ev else "stop", "logprobs": None}
             if ev is not None:
                 if ftype == "text":
                     choice["text"] = as_text(ev.payload)
@@ -291,40 +299,61 @@ class Api:
                 else:
                     choice["omni"] = self._omni(ev)
             obj = "text_completion"
-        return {"id": run.id, "object": obj, "created": created, "model": run.info.model, "choices": [choice]}
+        return {"id": ident or run.id, "object": obj, "created": created, "model": run.info.model,
+                "choices": [choice]}
 
     def _omni(self, ev: Event) -> dict[str, Any]:
         return {"stage": ev.stage, "type": self.final_types[ev.stage], "data": jsonable(ev.payload)}
 
-    async def _stream(self, request: web.Request, run: Run, reply: "Reply") -> web.StreamResponse:
+    async def _stream(self, request: web.Request, runs: list[Run], reply: "Reply") -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         send = lambda obj: resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")  # noqa: E731
-        first = True
-        try:
+        merged: asyncio.Queue = asyncio.Queue()  # (choice index, event) of every run, as they come
+
+        async def forward(i: int, run: Run) -> None:
             while True:
                 ev: Event = await run.events.get()
+                merged.put_nowait((i, ev))
+                if ev.kind != "output":
+                    return
+
+        loop = asyncio.get_running_loop()
+        forwarders = [loop.create_task(forward(i, run)) for i, run in enumerate(runs)]
+        first, usages = [True] * len(runs), []
+        try:
+            while True:
+                i, ev = await merged.get()
+                run = runs[i]
                 if ev.kind == "output":
                     try:
-                        chunk = await off_loop(ev.payload, lambda: _sse(self._chunk(run, reply, ev, first)))
+                        chunk = await off_loop(ev.payload, lambda: _sse(self._chunk(
+                            run, reply, ev, first[i], index=i, ident=runs[0].id)))
                     except media.MediaError as e:
                         await send({"error": {"message": f"stage {ev.stage!r}: {e}", "type": "bad_output",
                                               "code": 502}})
                         break
                     await resp.write(chunk)
-                    first = False
+                    first[i] = False
                 elif ev.kind == "error":
                     await send({"error": {"message": ev.message, "type": ev.code, "code": ev.status}})
                     break
                 else:
-                    await send(self._chunk(run, reply, None, first))
+                    await send(self._chunk(run, reply, None, first[i], index=i, ident=runs[0].id))
+                    usages.append(ev.payload)
+                    if len(usages) < len(runs):
+                        continue
                     if reply.include_usage:  # as OpenAI: one more chunk, no choices, the usage
-                        await send({**self._chunk(run, reply, None, first), "choices": [], "usage": ev.payload})
+                        await send({**self._chunk(run, reply, None, False, ident=runs[0].id), "choices": [],
+                                    "usage": _sum_usage(usages)})
                     break
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
             pass  # the client left; the caller aborts the request
+        finally:
+            for task in forwarders:
+                task.cancel()
         return resp
 
     async def _events(self, run: Run) -> tuple[list[Event], Event]:
@@ -336,19 +365,28 @@ class Api:
                 return out, ev
             out.append(ev)
 
-    async def _collect(self, run: Run, reply: "Reply") -> web.Response:
-        events, last = await self._events(run)
-        if last.kind == "error":
-            return error_response(last.status, last.message, last.code)
+    async def _collect(self, runs: list[Run], reply: "Reply") -> web.Response:
+        results = await asyncio.gather(*(self._events(run) for run in runs))
+        for _, last in results:
+            if last.kind == "error":
+                return error_response(last.status, last.message, last.code)
         try:
-            body = await off_loop([ev.payload for ev in events],
-                                  lambda: self._collected(run, reply, events, last.payload))
+            body = await off_loop([ev.payload for events, _ in results for ev in events],
+                                  lambda: self._collected(runs, reply, results))
         except media.MediaError as e:
             return error_response(502, f"a final stage sent output that cannot be encoded: {e}", "bad_output")
         return web.Response(body=body, content_type="application/json")
 
-    def _collected(self, run: Run, reply: "Reply", events: list[Event], usage: dict[str, Any]) -> bytes:
+    def _collected(self, runs: list[Run], reply: "Reply", results: list[tuple[list[Event], Event]]) -> bytes:
         """The JSON answer of a finished chat or completion request (in a worker thread when large)."""
+        return json.dumps({
+            "id": runs[0].id, "object": "chat.completion" if reply.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": runs[0].info.model,
+            "choices": [self._choice(reply, events, i) for i, (events, _) in enumerate(results)],
+            "usage": _sum_usage([last.payload for _, last in results]),
+        }).encode()
+
+    def _choice(self, reply: "Reply", events: list[Event], index: int) -> dict[str, Any]:
         text: list[str] = []
         ids: list[int] = []
         omni: list[dict[str, Any]] = []
@@ -369,23 +407,19 @@ class Api:
         if reply.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if reply.audio:
-                message["audio"] = {"id": reply.audio_id, "data": base64.b64encode(data).decode(),
+                message["audio"] = {"id": f"{reply.audio_id}{f'_{index}' if index else ''}",
+                                    "data": base64.b64encode(data).decode(),
                                     "expires_at": int(time.time()) + 3600, "transcript": content}
             if omni:
                 message["omni"] = omni
-            choice = {"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}
-            obj = "chat.completion"
+            choice = {"index": index, "message": message, "finish_reason": "stop", "logprobs": None}
         else:
-            choice = {"index": 0, "text": content, "finish_reason": "stop", "logprobs": None}
+            choice = {"index": index, "text": content, "finish_reason": "stop", "logprobs": None}
             if omni:
                 choice["omni"] = omni
-            obj = "text_completion"
         if reply.token_ids:
             choice["token_ids"] = ids
-        return json.dumps({
-            "id": run.id, "object": obj, "created": int(time.time()), "model": run.info.model,
-            "choices": [choice], "usage": usage,
-        }).encode()
+        return choice
 
     # ------------------------------------------------------------ images and speech
 
@@ -553,6 +587,27 @@ class Reply:
         self.audio = audio  # None, "pcm16" or one of media.AUDIO_TYPES
         self.audio_id = f"audio_{uuid.uuid4().hex[:24]}"
         self.include_usage = False  # stream_options.include_usage: a last chunk with the usage
+
+
+def _nth(sampling: dict[str, dict[str, Any]], entry: str, i: int) -> dict[str, dict[str, Any]]:
+    """The sampling params of the i-th of n runs: one choice each, and a seeded entry stage seeded apart."""
+    out = {stage: dict(params) for stage, params in sampling.items()}
+    out[entry].pop("n", None)
+    if isinstance(out[entry].get("seed"), int) and not isinstance(out[entry]["seed"], bool):
+        out[entry]["seed"] += i
+    return out
+
+
+def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "stages": {}}
+    for u in usages:
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[key] += u[key]
+        for stage, counts in u["stages"].items():
+            mine = total["stages"].setdefault(stage, {"prompt_tokens": 0, "completion_tokens": 0})
+            for key in counts:
+                mine[key] += counts[key]
+    return total
 
 
 def _audio_format(body: dict[str, Any]) -> str:

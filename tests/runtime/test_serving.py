@@ -223,3 +223,18 @@ def test_usage_counts_the_tokens_each_stage_reports(make_fleet):
     plain = list(client.chat.completions.create(model="test", messages=[{"role": "user", "content": "a b c"}],
                                                 stream=True))
     assert all(c.usage is None for c in plain) and plain[-1].choices[0].finish_reason == "stop"
+
+    # n choices: n runs of the pipeline, one choice each, usage summed
+    two = client.completions.create(model="test", prompt="one two three", n=2)
+    assert [(c.index, c.text) for c in two.choices] == [(0, "t0t1t2"), (1, "t0t1t2")]
+    assert (two.usage.prompt_tokens, two.usage.completion_tokens) == (6, 12)
+    assert two.usage.model_dump()["stages"]["b"] == {"prompt_tokens": 0, "completion_tokens": 12}
+    chunks = list(client.chat.completions.create(model="test", messages=[{"role": "user", "content": "a b c"}],
+                                                 n=2, stream=True, stream_options={"include_usage": True}))
+    by_index: dict[int, str] = {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        by_index[choice.index] = by_index.get(choice.index, "") + (choice.delta.content or "")
+    assert by_index == {0: "t0t1t2", 1: "t0t1t2"} and len({c.id for c in chunks}) == 1
+    assert sum(1 for c in chunks[:-1] if c.choices[0].finish_reason == "stop") == 2
+    assert chunks[-1].usage.total_tokens == 18
