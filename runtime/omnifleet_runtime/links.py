@@ -76,7 +76,7 @@ class Link:
             self.up = len(self.socks)
 
     async def send(self, frames: list[Any], nbytes: int) -> None:
-        if self.up > 1 and nbytes >= stripes.STRIPE_MIN_BYTES:
+        if nbytes >= stripes.STRIPE_MIN_BYTES:
             for sock, part in zip(self.socks, stripes.split(frames, self.up)):
                 await sock.send_multipart(part, copy=False)
         else:

@@ -199,7 +199,7 @@ class StageWorker:
         self.keys, self.max_frame_bytes = keys, max_frame_bytes
         self.data_plane = doc.spec.security.data_plane
         self.streams = doc.spec.security.data_streams
-        self.assembler = stripes.Assembler(max_frame_bytes, C.MAX_FRAMES)
+        self.assembler = stripes.Assembler(stripes.held_bound(max_frame_bytes), C.MAX_FRAMES)
         self.copy_pool: ThreadPoolExecutor | None = None  # puts split buffers back together, off the loop
         self.copy_tasks: set[asyncio.Task] = set()
         self.dropped = 0

@@ -6,7 +6,10 @@ therefore keeps `spec.security.dataStreams` connections to each downstream
 data port, each pinned to its own I/O thread (and connected only after the
 previous one's handshake, so the receiver's I/O threads take them in turn),
 and splits a message of at least STRIPE_MIN_BYTES into one part per
-connection. The receiver's I/O threads decrypt the parts in parallel; the
+connection, in pieces of at most PIECE_MAX (also over a single connection:
+CurveZMQ encrypts a large frame much slower than the same bytes in 4 MiB
+frames, and a maximal frame would outgrow the receiver's size bound once
+encrypted). The receiver's I/O threads decrypt the parts in parallel; the
 Assembler here copies split buffers back into one (a buffer that a part holds
 whole is kept as received, no copy).
 
@@ -35,7 +38,14 @@ STRIPE_MIN_BYTES = 8 << 20  # below it, one connection is as fast and no reassem
 STREAMS_MAX = 16
 ASSEMBLY_TTL_S = 60.0  # a message whose parts have not all come in this long is dropped
 PIECE_MAX = 4 << 20  # CurveZMQ encrypts a frame with two scratch copies of it: 4 MiB frames stay in malloc's pools
-HUGE_MIN = 2 << 20  # reassembly buffers this large are backed by transparent huge pages where possible
+HUGE_MIN = 2 << 20
+HELD_MIN = 4 << 30  # what a receiver holds for messages whose parts are still coming, at least
+
+
+def held_bound(max_frame_bytes: int) -> int:
+    """A receiver's bound on one message and on all it holds: room for several of its largest frames (a
+    message of one maximal frame also has its header frame)."""
+    return max(HELD_MIN, 4 * max_frame_bytes)  # reassembly buffers this large are backed by transparent huge pages where possible
 
 
 class StripeHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -133,7 +143,7 @@ class Assembler:
             h = _decoder.decode(memoryview(frames[0])[len(MAGIC):])
         except Exception as e:
             raise WireError(f"stripe header: {type(e).__name__}: {e}") from None
-        if len(h.key) != 16 or not 2 <= h.parts <= STREAMS_MAX or not 0 <= h.part < h.parts:
+        if len(h.key) != 16 or not 1 <= h.parts <= STREAMS_MAX or not 0 <= h.part < h.parts:
             raise WireError(f"stripe header: part {h.part} of {h.parts}")
         if not 1 <= len(h.sizes) <= self.max_frames or min(h.sizes) < 0 or sum(h.sizes) > self.max_bytes:
             raise WireError(f"stripe header: {len(h.sizes)} frames of {sum(h.sizes)} bytes")
