@@ -25,8 +25,12 @@ HANDSHAKE_WAIT_S = 5.0  # a connection not up by then ends the growing; the ones
 
 
 class Link:
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, streams: int, secure: Callable[[zmq.Socket], None]):
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, streams: int, secure: Callable[[zmq.Socket], None],
+                 encrypted: bool = True):
         self.ctx, self.addr, self.secure = ctx, addr, secure
+        # Over one connection, pieces pay off only when encrypting; unencrypted, a whole frame needs no
+        # reassembly copy.
+        self.pieces_alone = encrypted
         self.io_threads = max(1, ctx.get(zmq.IO_THREADS))
         self.socks: list[zmq.asyncio.Socket] = []
         first = self._socket(0)
@@ -76,7 +80,7 @@ class Link:
             self.up = len(self.socks)
 
     async def send(self, frames: list[Any], nbytes: int) -> None:
-        if nbytes >= stripes.STRIPE_MIN_BYTES:
+        if nbytes >= stripes.STRIPE_MIN_BYTES and (self.up > 1 or self.pieces_alone):
             for sock, part in zip(self.socks, stripes.split(frames, self.up)):
                 await sock.send_multipart(part, copy=False)
         else:

@@ -853,7 +853,7 @@ class StageWorker:
         link = self.peers.get(route.addr)
         if link is None:
             link = self.peers[route.addr] = Link(self.ctx, route.addr, self.streams, lambda sock: security.secure_client(
-                sock, self.keys, self.data_plane, self.max_frame_bytes))
+                sock, self.keys, self.data_plane, self.max_frame_bytes), encrypted=self.data_plane == security.CURVE)
             if len(self.peers) > PEER_SOCKETS_MAX:
                 self.peers.popitem(last=False)[1].close()
         self.peers.move_to_end(route.addr)

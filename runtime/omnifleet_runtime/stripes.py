@@ -6,10 +6,10 @@ therefore keeps `spec.security.dataStreams` connections to each downstream
 data port, each pinned to its own I/O thread (and connected only after the
 previous one's handshake, so the receiver's I/O threads take them in turn),
 and splits a message of at least STRIPE_MIN_BYTES into one part per
-connection, in pieces of at most PIECE_MAX (also over a single connection:
-CurveZMQ encrypts a large frame much slower than the same bytes in 4 MiB
-frames, and a maximal frame would outgrow the receiver's size bound once
-encrypted). The receiver's I/O threads decrypt the parts in parallel; the
+connection, in pieces of at most PIECE_MAX (also over a single encrypted
+connection: CurveZMQ encrypts a large frame much slower than the same bytes
+in 4 MiB frames, and a maximal frame would outgrow the receiver's size bound
+once encrypted). The receiver's I/O threads decrypt the parts in parallel; the
 Assembler here copies split buffers back into one (a buffer that a part holds
 whole is kept as received, no copy).
 
