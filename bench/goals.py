@@ -84,15 +84,15 @@ GOALS: tuple[Goal, ...] = (
          why_missed="the runtime's per-hop cost (master dispatch, ZMQ, the stage loops) is paid on top of the handoff"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
-         why_missed="the runtime sends a tensor as one frame after its whole D2H (pinned) and the consumer starts "
-         "its H2D after the whole frame: D2H, wire and H2D are not overlapped, which costs most at 16 MiB (the "
-         "pipelined experiment in the same report shows what overlapping gives)"),
+         why_missed="at 16 MiB the runtime's fixed cost per hop (about 1.4 ms: the co-located column of the same "
+         "report) and a D2H and an H2D not overlapped with the wire weigh most; from 64 MiB the split data path "
+         "(8 streams) outruns the raw one-frame link"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
-         why_missed="one CurveZMQ connection encrypts on one libzmq I/O thread; 4 MiB frames barely help (the "
-         "same report), and parallel connections do not lift the ceiling: raw pyzmq on a 16-core host moved 0.67 "
-         "GiB/s over one CURVE connection and 1.11 over eight (eight I/O threads), against 3.76 for one plain "
-         "connection, at best 0.30x (bench/results/2026-12-01-curve-ceiling.md)"),
+         why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
+         "unencrypted path (the same report's raw ceiling: 0.19-0.24x at every K), and plain-auth gains as much from "
+         "the same streams; what the streams give CurveZMQ: 1.5-3.7 GiB/s with the default 8, 0.62-1.34x the "
+         "unencrypted data plane on one connection (the report's last column)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="the rounds spread widely: the report records the other load on this shared machine per side"),
