@@ -13,6 +13,7 @@ import re
 import os
 import secrets
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -36,9 +37,18 @@ PYTHONPATH = os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "operator"), str
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port picked now and bound later (a master restarted
+    on its ports) cannot be taken meanwhile by another process's bind to port 0."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000-{low}")
 
 
 def stage(name: str, entrypoint: str, **fields: Any) -> dict[str, Any]:
