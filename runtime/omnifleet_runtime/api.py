@@ -247,9 +247,10 @@ class Api:
                 self.metrics.refused.inc(reason="invalid")
                 return error_response(400, str(e), "invalid_request_error")
         runs: list[Run] = []
-        for i in range(body.get("n") or 1):  # n choices: n runs of the whole pipeline, one choice each
+        n = body.get("n") or 1
+        for i in range(n):  # n choices: n runs of the whole pipeline, one choice each
             run = self._start(body, kind, "req", "messages" if kind == "chat" else "prompt",
-                              _nth(sampling, self.entry, i) if (body.get("n") or 1) > 1 else sampling, final)
+                              _nth(sampling, self.entry, i) if n > 1 else sampling, final)
             if isinstance(run, web.Response):
                 for started in runs:
                     self.orch.abort(started)

@@ -34,13 +34,11 @@ class Link:
         self.io_threads = max(1, ctx.get(zmq.IO_THREADS))
         self.socks: list[zmq.asyncio.Socket] = []
         first = self._socket(0)
-        self.grow: asyncio.Task | None = None
-        if streams > 1:  # the first handshake too must be done before the second connect
-            monitor = first.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            first.connect(addr)
-            self.grow = asyncio.get_running_loop().create_task(self._grow(streams, first, monitor))
-        else:
-            first.connect(addr)
+        # the first handshake too must be done before the second connect
+        monitor = first.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if streams > 1 else None
+        first.connect(addr)
+        self.grow = None if monitor is None else asyncio.get_running_loop().create_task(
+            self._grow(streams, first, monitor))
         self.socks.append(first)
         self.up = 1  # socks[:up] carry messages; the one after them may be handshaking
 

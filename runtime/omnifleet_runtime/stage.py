@@ -360,7 +360,7 @@ class StageWorker:
         return wire.StageHeartbeat(
             inflight=len(self.jobs), queue_depth=self.queued, draining=self.draining,
             bytes_tcp=self.bytes["tcp"], bytes_shm=self.bytes["shm"], bytes_master=self.bytes["master"],
-            dropped=self.dropped,
+            dropped=self.dropped + self.assembler.dropped,
         )
 
     async def _send_master(self, msg: wire.Msg, session: MasterSession | None, block: bool = True) -> None:
@@ -937,6 +937,5 @@ class StageWorker:
                 self._drop_pending(self.pending.pop(key))
             if n := self.assembler.expire():
                 log.warning("dropped %d data message(s) whose striped parts stopped coming", n)
-                self.dropped += n
             if n := shm.sweep(self.shm_prefix, older_than_s=SHM_LEFTOVER_AGE_S):
                 log.warning("swept %d shared-memory leftover(s) older than %.0fs", n, SHM_LEFTOVER_AGE_S)

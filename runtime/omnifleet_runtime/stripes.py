@@ -23,6 +23,7 @@ it; what is held while parts are missing is bounded in bytes and time.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -33,19 +34,21 @@ import msgspec
 
 from .wire import WireError
 
+log = logging.getLogger("omnifleet.stripes")
+
 MAGIC = b"OFS1"  # never the start of a wire message (a msgpack map or array)
 STRIPE_MIN_BYTES = 8 << 20  # below it, one connection is as fast and no reassembly copy is paid
 STREAMS_MAX = 16
 ASSEMBLY_TTL_S = 60.0  # a message whose parts have not all come in this long is dropped
 PIECE_MAX = 4 << 20  # CurveZMQ encrypts a frame with two scratch copies of it: 4 MiB frames stay in malloc's pools
-HUGE_MIN = 2 << 20
+HUGE_MIN = 2 << 20  # reassembly buffers this large are backed by transparent huge pages where possible
 HELD_MIN = 4 << 30  # what a receiver holds for messages whose parts are still coming, at least
 
 
 def held_bound(max_frame_bytes: int) -> int:
     """A receiver's bound on one message and on all it holds: room for several of its largest frames (a
     message of one maximal frame also has its header frame)."""
-    return max(HELD_MIN, 4 * max_frame_bytes)  # reassembly buffers this large are backed by transparent huge pages where possible
+    return max(HELD_MIN, 4 * max_frame_bytes)
 
 
 class StripeHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -170,7 +173,10 @@ class Assembler:
                 if entry.bufs[i] is None:
                     entry.bufs[i] = buffer(h.sizes[i])
                     grew += h.sizes[i]
-                elif not isinstance(entry.bufs[i], (bytearray, mmap.mmap)):
+                elif not isinstance(entry.bufs[i], (bytearray, mmap.mmap)):  # the message cannot complete
+                    entry.held += grew
+                    self.held += grew
+                    self._forget(h.key)
                     raise WireError(f"stripe pieces overlap in frame {i}")
                 copies.append((memoryview(entry.bufs[i])[off:off + n], piece))
             entry.filled += n
@@ -208,6 +214,7 @@ class Assembler:
             oldest = next(k for k in self.open if k != keep)
             self._forget(oldest)
             self.dropped += 1
+            log.warning("dropped a split message whose parts were still coming: over %d bytes held", self.max_bytes)
 
     def _forget(self, key: bytes) -> None:
         entry = self.open.pop(key)

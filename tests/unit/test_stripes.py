@@ -108,6 +108,7 @@ def test_parts_that_disagree_repeat_or_overlap_are_refused():
         asm.add([header(part=1, sizes=[4, 5]), b"efgh"])
     with pytest.raises(wire.WireError, match="overlap"):  # frame 0 already came whole
         asm.add([header(part=1, spans=[(0, 2)]), b"cd"])
+    assert asm.held == 0 and not asm.open  # a message that cannot complete is not kept
     asm = Assembler(1 << 20, 64)
     asm.add([header(spans=[(0, 0), (1, 0)]), b"ab", b"ef"])
     with pytest.raises(wire.WireError, match="overlap or leave gaps"):  # frame 1's 2nd half never comes
