@@ -84,14 +84,14 @@ GOALS: tuple[Goal, ...] = (
          why_missed="the runtime's per-hop cost (master dispatch, ZMQ, the stage loops) is paid on top of the handoff"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
-         why_missed="at 16 MiB the runtime's fixed cost per hop (about 1.4 ms: the co-located column of the same "
+         why_missed="at 16 MiB the runtime's fixed cost per hop (1.3-1.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most; from 64 MiB the split data path "
          "(8 streams) outruns the raw one-frame link"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
-         "unencrypted path (the same report's raw ceiling: 0.19-0.24x at every K), and plain-auth gains as much from "
-         "the same streams; what the streams give CurveZMQ: 1.5-3.7 GiB/s with the default 8, 0.62-1.34x the "
+         "unencrypted path (the same report's raw ceiling: 0.20-0.22x at every K), and plain-auth gains as much from "
+         "the same streams; what the streams give CurveZMQ: 1.9-3.7 GiB/s with the default 8, 0.69-1.26x the "
          "unencrypted data plane on one connection (the report's last column)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
