@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -25,6 +26,7 @@ from omnifleet_runtime import constants as C
 
 from . import metrics
 from .leader import Elector, LostLeadership
+from .metricsapi import MetricsApi, NotInstalled
 from .checks import Policy, add_policy_flags
 from .reconcile import Api, AppliedCache, Children, MasterReads, event_object, now_iso, object_key, reconcile
 from .status import Event
@@ -54,6 +56,7 @@ CHILD_RESOURCES = [
     ("monitoring.coreos.com", "v1", "podmonitors"),
 ]
 OWNED = {C.LABEL_PIPELINE: kopf.PRESENT}
+SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 Key = tuple[str, str]
 
 
@@ -101,6 +104,7 @@ class State:
         self.tasks: list[asyncio.Task] = []
         self.api: Api | None = None
         self.policy = Policy()  # what this operator was started to allow (flags)
+        self.custom_metrics_port = 0  # --custom-metrics-port: 0 serves no custom.metrics.k8s.io
         self.written: dict[str, dict[str, Any]] = {}  # by pipeline uid: the status last written
         self.written_at: dict[str, float] = {}  # by pipeline uid: when (loop time)
         self.held: set[Key] = set()  # pipelines with a progress change waiting to be written
@@ -386,11 +390,43 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = WATCH_TIMEOUT + 10
     settings.networking.error_backoffs = [1, 2, 5]
     STATE.api = Api(applies_in_flight=WORKERS)
+    if STATE.custom_metrics_port:
+        STATE.tasks.append(asyncio.create_task(_serve_custom_metrics(STATE.custom_metrics_port)))
     lease_ns = os.environ.get(ENV_LEADER_ELECTION_NAMESPACE)
     if lease_ns:
-        STATE.tasks = [asyncio.create_task(_lead(lease_ns))]
+        STATE.tasks.append(asyncio.create_task(_lead(lease_ns)))
     else:
         _start_workers()
+
+
+async def _serve_custom_metrics(port: int) -> None:
+    """Every replica serves (reads only); a failure to start is retried, never fatal to reconciling."""
+    server = MetricsApi(STATE.api.client, _own_namespace(), port)
+    said = False
+    while True:
+        try:
+            await server.start()
+            break
+        except NotInstalled as e:
+            if not said:
+                log.info("not serving custom.metrics.k8s.io (checked again every 30 s): %s", e)
+                said = True
+            await asyncio.sleep(30)
+        except Exception as e:  # noqa: BLE001 - said, and tried again
+            log.error("cannot serve custom.metrics.k8s.io yet (retrying in 10 s): %s", e)
+            await server.close()
+            await asyncio.sleep(10)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.close()
+
+
+def _own_namespace() -> str:
+    try:
+        return Path(SA_NAMESPACE_FILE).read_text().strip()
+    except OSError:
+        return os.environ.get(ENV_LEADER_ELECTION_NAMESPACE) or "omnifleet-system"
 
 
 def _start_workers() -> None:
@@ -436,10 +472,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--metrics-port", type=int, default=metrics.DEFAULT_PORT,
                         help="port of /metrics (Prometheus text) on all interfaces; 0 serves none "
                              "(default: %(default)s)")
+    parser.add_argument("--custom-metrics-port", type=int, default=0,
+                        help="serve custom.metrics.k8s.io (the autoscaled stages' series, for their HPAs) over "
+                             "HTTPS on this port; needs the APIService of manifests/autoscaling/; 0 serves none "
+                             "(default: %(default)s)")
     parser.add_argument("-v", "--verbose", action="store_true")
     add_policy_flags(parser)
     args = parser.parse_args(argv)
     STATE.policy = Policy.from_flags(args)
+    STATE.custom_metrics_port = args.custom_metrics_port
     kopf.configure(verbose=args.verbose)  # kopf's own log format, for every logger
     metrics.count_watch_restarts(args.verbose)
     metrics.MAX_WORKERS.labels(metrics.CONTROLLER).set(WORKERS)

@@ -536,7 +536,8 @@ def build_stage_hpa(doc: OmniPipeline, host: str, owner_uid: str | None = None) 
                     "target": {"type": "AverageValue", "averageValue": target_quantity(a.target_for(group))},
                 },
             }],
-        },
+        } | ({"behavior": {"scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds}}}
+             if a.scale_down_stabilization_seconds is not None else {}),
     }
 
 

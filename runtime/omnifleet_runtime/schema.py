@@ -257,7 +257,8 @@ AUTOSCALING_DEFAULT_TARGETS = {"queueDepth": 2.0, "realTimeFactor": 0.5}
 
 class Autoscaling(Model):
     """Let an autoscaler own a stage's replica count (an autoscaling/v2 HPA is rendered, on a pods metric the
-    stage's pods export: a metrics adapter such as prometheus-adapter serves it to the HPA)."""
+    stage's pods export: the operator serves it to the HPA once manifests/autoscaling/ is applied, or
+    prometheus-adapter does)."""
 
     model_config = ConfigDict(
         json_schema_extra=cel(("self.minReplicas <= self.maxReplicas", "minReplicas must not exceed maxReplicas"))
@@ -284,6 +285,15 @@ class Autoscaling(Model):
         ge=1,
         le=100000,
         description="Target in-flight requests per replica when the metric is inflight and `target` is unset.",
+    )
+
+    scale_down_stabilization_seconds: int | None = Field(
+        None,
+        ge=0,
+        le=3600,
+        description="How long load must stay low before the autoscaler removes replicas (the HPA's "
+        "behavior.scaleDown.stabilizationWindowSeconds). Default: the HPA's, 300 s: an engine reload costs "
+        "minutes, so a short lull should not drop a replica.",
     )
 
     def metric_for(self, group: list["Stage"]) -> str:

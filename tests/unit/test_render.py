@@ -321,6 +321,19 @@ def test_an_hpa_holds_the_metric_its_stages_mean():
     rules = yaml.safe_load((REPO / "manifests" / "monitoring" / "prometheus-adapter-rules.yaml").read_text())
     served = {r["name"]["as"] for r in rules["rules"]}
     assert set(AUTOSCALING_METRICS.values()) == served
+    # ... and so does the operator's own custom.metrics.k8s.io server.
+    from omnifleet_operator.metricsapi import METRICS
+    assert METRICS == served
+
+
+def test_scale_down_stabilization_is_the_hpas_unless_set():
+    objs = render(autoscaled_pipeline())
+    assert "behavior" not in objs[("HorizontalPodAutoscaler", "auto-talker")]["spec"]  # the HPA's own 300 s
+    objs = render(autoscaled_pipeline(scaleDownStabilizationSeconds=30))
+    assert objs[("HorizontalPodAutoscaler", "auto-talker")]["spec"]["behavior"] == {
+        "scaleDown": {"stabilizationWindowSeconds": 30}}
+    _, problems = check_document(autoscaled_pipeline(scaleDownStabilizationSeconds=-1))
+    assert [p.path for p in problems] == ["spec.stages[1].autoscaling.scaleDownStabilizationSeconds"], problems
 
 
 def test_real_time_factor_needs_an_audio_stage_in_the_pod():

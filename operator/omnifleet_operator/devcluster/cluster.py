@@ -55,6 +55,7 @@ else:  # run as a script: the script's directory is on sys.path
 # Start order; `down` stops in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 STOP_GRACE_S = 10.0
+FRONT_PROXY_CLIENT = "front-proxy-client"  # the CN the aggregation layer's client cert carries
 NODE_LEASE_SECONDS = 40  # kwok renews each fake node's Lease (what kwokctl sets by default)
 # Log every write once (at ResponseComplete), nothing else.
 AUDIT_POLICY = {
@@ -191,6 +192,17 @@ def _make_certs(d: Path, host: str = "127.0.0.1") -> None:
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     _openssl("x509", "-req", "-in", "kubelet-client.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-days", "3650", "-extfile", "client.ext", "-out", "kubelet-client.crt", cwd=d)
+    # The aggregation layer: the apiserver proxies custom.metrics.k8s.io to the operator's adapter with
+    # this client cert, from a CA of its own (the adapter trusts only it, as a front proxy).
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-keyout", "front-proxy-ca.key",
+             "-out", "front-proxy-ca.crt", "-subj", "/CN=omnifleet-devcluster-front-proxy-ca",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=d)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "front-proxy-client.key", "-out",
+             "front-proxy-client.csr", "-subj", f"/CN={FRONT_PROXY_CLIENT}", cwd=d)
+    _openssl("x509", "-req", "-in", "front-proxy-client.csr", "-CA", "front-proxy-ca.crt", "-CAkey",
+             "front-proxy-ca.key", "-CAcreateserial", "-days", "3650", "-extfile", "client.ext", "-out",
+             "front-proxy-client.crt", cwd=d)
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
@@ -352,6 +364,16 @@ class DevCluster:
                 f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
                 f"--kubelet-client-key={pki / 'kubelet-client.key'}",
                 "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+                # The aggregation layer (APIServices such as custom.metrics.k8s.io), dialing the
+                # serving pods' endpoint IPs directly rather than through a Service IP.
+                f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+                f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+                "--requestheader-username-headers=X-Remote-User",
+                "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+                f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
+                "--enable-aggregator-routing=true",
             ]
         else:
             apiserver_net = [

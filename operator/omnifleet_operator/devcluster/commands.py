@@ -82,6 +82,9 @@ def install(cluster: DevCluster, manifests: Path = MANIFESTS, *, in_cluster: boo
     cluster.kubectl("apply", "-k", str(manifests))
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s", timeout=70)
     if in_cluster:
+        # HPAs get their metrics from the operator's pods; without them (fake nodes) an APIService
+        # nobody serves would stall namespace deletion and garbage collection.
+        cluster.kubectl("apply", "-k", str(manifests / "autoscaling"))
         # A rebuilt image under the same tag: restart so the pod runs what was just loaded.
         cluster.kubectl("rollout", "restart", f"deployment/{OPERATOR_SA}", "-n", OPERATOR_NAMESPACE)
         wait_rollout(cluster, OPERATOR_NAMESPACE, OPERATOR_SA, OPERATOR_ROLLOUT_TIMEOUT_S)
