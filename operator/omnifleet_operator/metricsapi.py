@@ -36,7 +36,7 @@ from cryptography.x509.oid import NameOID
 from lightkube import ApiError, AsyncClient
 from lightkube import operators as lk
 from lightkube.resources.apiregistration_v1 import APIService
-from lightkube.resources.core_v1 import ConfigMap, Pod, Secret
+from lightkube.resources.core_v1 import ConfigMap, Pod, Secret, Service
 from lightkube.types import PatchType
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,8 +52,11 @@ TLS_SECRET = "omnifleet-metrics-api-tls"
 AUTH_CONFIGMAP = ("kube-system", "extension-apiserver-authentication")
 SCRAPE_TIMEOUT_S = 3.0  # one pod's /metrics; a pod that does not answer is left out, as the HPA expects
 CERT_DAYS = 3650
-METRICS = frozenset(AUTOSCALING_METRICS.values())
+POD_METRICS = frozenset(AUTOSCALING_METRICS.values())  # of stage pods, read from their `metrics` port
+# Of a master Service, summed over its masters' /metrics: what a stage that scales to zero scales on.
+SERVICE_METRICS = frozenset({C.STAGE_DEMAND_METRIC})
 STAGE_PODS = f"{C.LABEL_OF_COMPONENT}={C.COMPONENT_STAGE}"
+MASTERS = f"{C.LABEL_OF_COMPONENT}={C.COMPONENT_MASTER}"
 
 
 class SelectorError(ValueError):
@@ -119,7 +122,7 @@ def quantity(v: float) -> str:
 
 
 def metric_value_list(namespace: str, values: dict[str, float], metric: str, metric_selector: str,
-                      now: datetime.datetime) -> dict:
+                      now: datetime.datetime, kind: str = "Pod") -> dict:
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     sel = {"matchLabels": {}}
     for key, op, vals in parse_selector(metric_selector):
@@ -128,7 +131,7 @@ def metric_value_list(namespace: str, values: dict[str, float], metric: str, met
     return {
         "kind": "MetricValueList", "apiVersion": f"{GROUP}/{VERSION}", "metadata": {},
         "items": [{
-            "describedObject": {"kind": "Pod", "namespace": namespace, "name": name, "apiVersion": "/v1"},
+            "describedObject": {"kind": kind, "namespace": namespace, "name": name, "apiVersion": "/v1"},
             "metric": {"name": metric, "selector": sel},
             "timestamp": stamp,
             "value": quantity(v),
@@ -139,8 +142,9 @@ def metric_value_list(namespace: str, values: dict[str, float], metric: str, met
 def resource_list() -> dict:
     return {
         "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{GROUP}/{VERSION}",
-        "resources": [{"name": f"pods/{m}", "singularName": "", "namespaced": True, "kind": "MetricValueList",
-                       "verbs": ["get"]} for m in sorted(METRICS)],
+        "resources": [{"name": f"{res}/{m}", "singularName": "", "namespaced": True, "kind": "MetricValueList",
+                       "verbs": ["get"]} for res, ms in (("pods", POD_METRICS), ("services", SERVICE_METRICS))
+                      for m in sorted(ms)],
     }
 
 
@@ -241,6 +245,8 @@ class MetricsApi:
                            (f"/apis/{GROUP}/{VERSION}", resource_list())):
             app.router.add_get(path, _constant(body))
         app.router.add_get(f"/apis/{GROUP}/{VERSION}/namespaces/{{namespace}}/pods/{{name}}/{{metric}}", self._pods)
+        app.router.add_get(f"/apis/{GROUP}/{VERSION}/namespaces/{{namespace}}/services/{{name}}/{{metric}}",
+                           self._service)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, host, self.port, ssl_context=ctx).start()
@@ -307,8 +313,9 @@ class MetricsApi:
 
     async def _pods(self, request: web.Request) -> web.Response:
         ns, name, metric = (request.match_info[k] for k in ("namespace", "name", "metric"))
-        if metric not in METRICS:
-            return status(404, "NotFound", f"metric {metric!r} is not served here; served: {sorted(METRICS)}")
+        if metric not in POD_METRICS:
+            return status(404, "NotFound", f"metric {metric!r} of pods is not served here; served: "
+                                           f"{sorted(POD_METRICS)}")
         try:
             metric_reqs = parse_selector(request.query.get("metricLabelSelector", ""))
             pod_reqs = parse_selector(request.query.get("labelSelector", ""))
@@ -318,7 +325,7 @@ class MetricsApi:
         if name != "*" and not pods:
             return status(404, "NotFound", f"no omnifleet stage pod {ns}/{name}")
         pods = [p for p in pods if selector_matches(pod_reqs, p.metadata.labels or {})]
-        got = await asyncio.gather(*(self._scrape(p, metric, metric_reqs) for p in pods))
+        got = await asyncio.gather(*(self._scrape(p, C.STAGE_METRICS_PORT, metric, metric_reqs) for p in pods))
         values = {p.metadata.name: v for p, v in zip(pods, got, strict=True) if v is not None}
         if name != "*" and not values:
             return status(404, "NotFound", f"{metric} not read from pod {ns}/{name}")
@@ -342,9 +349,40 @@ class MetricsApi:
                 and p.status and p.status.phase == "Running" and p.status.podIP
                 and not p.metadata.deletionTimestamp]
 
-    async def _scrape(self, pod: Pod, metric: str, reqs) -> float | None:
+    async def _service(self, request: web.Request) -> web.Response:
+        """A master Service's metric: the sum over its ready masters (each holds its own requests)."""
+        ns, name, metric = (request.match_info[k] for k in ("namespace", "name", "metric"))
+        if metric not in SERVICE_METRICS:
+            return status(404, "NotFound", f"metric {metric!r} of services is not served here; served: "
+                                           f"{sorted(SERVICE_METRICS)}")
+        try:
+            metric_reqs = parse_selector(request.query.get("metricLabelSelector", ""))
+        except SelectorError as e:
+            return status(400, "BadRequest", str(e))
+        try:
+            svc = await self.client.get(Service, name, namespace=ns)
+        except ApiError as e:
+            if e.status.code == 404:
+                return status(404, "NotFound", f"no Service {ns}/{name}")
+            raise
+        labels = svc.metadata.labels or {}
+        if not selector_matches(parse_selector(MASTERS), labels) or not svc.spec.selector:
+            return status(404, "NotFound", f"Service {ns}/{name} is not an omnifleet master Service")
+        sel = ",".join(f"{k}={v}" for k, v in sorted(svc.spec.selector.items()))
+        pods = [p async for p in self.client.list(Pod, namespace=ns, labels=_lightkube_labels(f"{sel},{MASTERS}"))]
+        pods = [p for p in pods if p.status and p.status.phase == "Running" and p.status.podIP
+                and not p.metadata.deletionTimestamp]
+        got = [v for v in await asyncio.gather(*(self._scrape(p, C.MASTER_API_PORT, metric, metric_reqs)
+                                                  for p in pods)) if v is not None]
+        if not got:  # no value: the HPA holds the replica count rather than act on a guess
+            return status(503, "ServiceUnavailable", f"{metric} read from no master of Service {ns}/{name}")
+        return web.json_response(metric_value_list(ns, {name: sum(got)}, metric,
+                                                   request.query.get("metricLabelSelector", ""),
+                                                   datetime.datetime.now(datetime.timezone.utc), kind="Service"))
+
+    async def _scrape(self, pod: Pod, port: int, metric: str, reqs) -> float | None:
         assert self.session is not None
-        url = f"http://{pod.status.podIP}:{C.STAGE_METRICS_PORT}/metrics"
+        url = f"http://{pod.status.podIP}:{port}/metrics"
         try:
             async with self.session.get(url) as r:
                 if r.status != 200:

@@ -100,7 +100,18 @@ def master_view(doc: OmniPipeline) -> Obj:
     # Scaling the masters rolls none of them.
     master = {k: v for k, v in d["master"].items() if k not in POD_ONLY_FIELDS + ("replicas",)}
     return {"model": d.get("model"), "master": master, "security": d["security"],
-            "stages": [{k: s[k] for k in keep if k in s} for s in d["stages"]]} | _heartbeat(d)
+            "stages": [{k: s[k] for k in keep if k in s} | _from_zero(s) for s in d["stages"]]} | _heartbeat(d)
+
+
+def _from_zero(stage: Obj) -> Obj:
+    """A host stage whose pods may scale to zero: the master holds requests for the first replica (of it
+    and of the stages co-located with it). Only what the master reads, maxReplicas pinned, so that
+    scaling edits never roll the masters."""
+    a = stage.get("autoscaling") or {}
+    if a.get("minReplicas") != 0:
+        return {}
+    return {"autoscaling": {"minReplicas": 0, "maxReplicas": 1, "metric": "inflight"}
+            | {k: a[k] for k in ("activationTimeoutSeconds",) if k in a}}
 
 
 def _heartbeat(spec: Obj) -> Obj:
@@ -521,6 +532,19 @@ def build_stage_hpa(doc: OmniPipeline, host: str, owner_uid: str | None = None) 
     a = group[0].autoscaling
     assert a is not None
     name = names.stage_name(doc.metadata.name, host)
+    target = {"type": "AverageValue", "averageValue": target_quantity(a.target_for(group))}
+    if a.min_replicas == 0:
+        # No pod to read at zero: the masters' demand for the stage (requests in flight on it or waiting
+        # for it), an object metric of the master Service, which the HPA can read at zero replicas.
+        metric = {"type": "Object", "object": {
+            "describedObject": {"apiVersion": "v1", "kind": "Service", "name": names.master_name(doc.metadata.name)},
+            "metric": {"name": C.STAGE_DEMAND_METRIC, "selector": {"matchLabels": {"stage": host}}},
+            "target": target}}
+    else:
+        metric = {"type": "Pods", "pods": {
+            "metric": {"name": AUTOSCALING_METRICS[a.metric_for(group)],
+                       "selector": {"matchLabels": {"stage": a.metric_stage(group)}}},
+            "target": target}}
     return {
         "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
         "metadata": metadata(doc, name, labels(doc, C.COMPONENT_STAGE, host), owner_uid),
@@ -528,14 +552,7 @@ def build_stage_hpa(doc: OmniPipeline, host: str, owner_uid: str | None = None) 
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "minReplicas": a.min_replicas,
             "maxReplicas": a.max_replicas,
-            "metrics": [{
-                "type": "Pods",
-                "pods": {
-                    "metric": {"name": AUTOSCALING_METRICS[a.metric_for(group)],
-                               "selector": {"matchLabels": {"stage": a.metric_stage(group)}}},
-                    "target": {"type": "AverageValue", "averageValue": target_quantity(a.target_for(group))},
-                },
-            }],
+            "metrics": [metric],
         } | ({"behavior": {"scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds}}}
              if a.scale_down_stabilization_seconds is not None else {}),
     }

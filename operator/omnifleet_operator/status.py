@@ -141,6 +141,7 @@ class StageView:
     deployment_name: str
     desired: int
     dep: Obj | None
+    idle_at_zero: bool = False  # autoscaled with minReplicas 0: at zero it serves (requests wait for a replica)
 
     @property
     def status(self) -> Obj:
@@ -160,6 +161,8 @@ class StageView:
 
     @property
     def is_ready(self) -> bool:
+        if self.dep is not None and self.desired == 0 and self.idle_at_zero:
+            return self.replicas == 0  # scaled to zero and nothing left terminating
         return (self.dep is not None and self.desired > 0 and self.ready >= self.desired
                 and self.updated >= self.desired and self.replicas == self.updated
                 and self.status.get("observedGeneration", 0) >= self.dep["metadata"].get("generation", 0))
@@ -178,7 +181,8 @@ def stage_views(doc: OmniPipeline, observed: Observed) -> list[StageView]:
             desired = host.autoscaling.min_replicas if live is None else int(live)
         else:
             desired = 1 if host.replicas is None else host.replicas
-        views.append(StageView(host.name, dname, desired, dep))
+        views.append(StageView(host.name, dname, desired, dep,
+                               idle_at_zero=host.autoscaling is not None and host.autoscaling.min_replicas == 0))
     return views
 
 
@@ -262,7 +266,7 @@ def check_rollout(views: list[StageView], observed: Observed) -> Verdict | None:
     missing = [v.name for v in views if v.dep is None]
     if missing:
         return Verdict(CREATING, "creating " + ", ".join(missing))
-    zero = [v.name for v in views if v.desired == 0]
+    zero = [v.name for v in views if v.desired == 0 and not v.idle_at_zero]
     if zero:
         return Verdict(SCALED_TO_ZERO, "scaled to zero: " + ", ".join(zero))
     rolling = [f"{v.name} ({v.updated}/{v.desired} updated)" for v in views
@@ -366,6 +370,8 @@ def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipel
 
     if verdict is None:
         msg = f"all {len(doc.spec.stages)} stages ready"
+        if idle := [v.name for v in views if v.idle_at_zero and v.desired == 0]:
+            msg += f" ({', '.join(idle)} scaled to zero: requests wait for a replica)"
         values = {
             READY: ("True", ALL_READY, msg),
             PROGRESSING: ("False", "Complete", ""),

@@ -136,7 +136,11 @@ class Api:
                 when, reason = ms.refusals[s]
                 entry["lastRefusal"] = {"reason": reason, "secondsAgo": round(now - when, 1)}
             stages[s] = entry
-        missing = ms.missing()
+        # A stage that scales to zero and has no replica is idle, not missing: its requests wait for one.
+        missing = [s for s in ms.missing() if s not in self.orch.activation_s]
+        for s in ms.missing():
+            if s in self.orch.activation_s:
+                stages[s]["scaledToZero"] = True
         if self.draining:
             return web.json_response({"ready": False, "draining": True, "stages": stages,
                                       "message": "the master is shutting down"}, status=503)

@@ -120,3 +120,6 @@ MIN_REPLICAS_BOUND = 64
 
 # The window of a stage's real-time-factor gauge (its autoscaling metric for audio stages).
 RTF_WINDOW_S = 60.0
+# The masters' demand for a stage (requests in flight on it or waiting for a replica), label `stage`:
+# what the HPA of a stage that scales to zero reads, as an object metric of the master Service.
+STAGE_DEMAND_METRIC = "omnifleet_stage_demand"

@@ -70,6 +70,7 @@ class Master:
         self.metrics = MasterMetrics()
         self.orch = Orchestrator(doc.spec, self.membership, self.send, self.metrics, replica_wait_s,
                                  doc.spec.master.limits.max_redispatches)
+        self.metrics.demand = self.orch.demand
         self.api = Api(doc, self.orch, lambda: self.metrics.render(self.membership, self.stage_names), api_key)
         self.admin = Admin(doc, self.orch, admin_token, control_timeout_s)
         self.sock: zmq.asyncio.Socket | None = None

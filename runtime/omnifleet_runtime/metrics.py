@@ -17,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from . import constants as C
+
 # `_created` series double every counter and histogram and nothing here reads them.
 prometheus_client.disable_created_metrics()
 
@@ -109,6 +111,7 @@ class MasterMetrics:
             "omnifleet_refused_registrations_total",
             "Registrations refused for identity (address, replica id, bound).", ("stage",), r)
         self.auth_refused = lambda: 0  # ZMQ handshakes the ZAP handler refused (set by the master)
+        self.demand: Callable[[], dict[str, int]] = dict  # open requests per stage (set by the master)
         self.deadlines = Counter("omnifleet_request_deadline_exceeded_total", "Requests aborted at their deadline.",
                                  ("api",), r)
         self.refused = Counter("omnifleet_requests_refused_total",
@@ -127,6 +130,12 @@ class MasterMetrics:
         g = GaugeMetricFamily("omnifleet_stage_replicas", "Registered replicas per stage.", labels=["stage"])
         for s in self._stages:
             g.add_metric([s], len(self._membership.replicas(s)))
+        yield g
+        g = GaugeMetricFamily(C.STAGE_DEMAND_METRIC, "Open requests that still need a stage: in flight on it or "
+                              "waiting for a replica of it (what a stage that scales to zero scales on).",
+                              labels=["stage"])
+        for s, n in sorted(self.demand().items()):
+            g.add_metric([s], n)
         yield g
         for name, help, value in (
             ("omnifleet_stage_inflight", "Requests the master has in flight on a stage replica (HPA target).",

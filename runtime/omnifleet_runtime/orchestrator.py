@@ -116,6 +116,13 @@ class Orchestrator:
         self.runs: dict[str, Run] = {}
         self._calls: dict[str, tuple[bytes, asyncio.Future]] = {}  # call id -> (replica identity, answer)
         self._tasks: set[asyncio.Task] = set()
+        # Stages whose pods may scale to zero (minReplicas 0 on their host): a request that finds none waits
+        # this long for the first replica, instead of a 503 at once.
+        self.activation_s: dict[str, float] = {}
+        for st in spec.stages:
+            a = spec.stage(st.colocate_with or st.name).autoscaling
+            if a is not None and a.min_replicas == 0:
+                self.activation_s[st.name] = a.activation_timeout
 
     # ------------------------------------------------------------ requests
 
@@ -139,8 +146,8 @@ class Orchestrator:
         final = frozenset(self.final if final is None else final)
         stages = self.needed(final)
         missing = [s for s in self.membership.missing() if s in stages]
-        if missing:
-            raise NoReplica(missing)
+        if hard := [s for s in missing if s not in self.activation_s]:
+            raise NoReplica(hard)
         run = Run(info, sampling, stages=stages, final=final, timeout_s=timeout_s)
         if info.messages and has_media(info.messages):
             run.light_info = msgspec.structs.replace(info, messages=strip_media(info.messages))
@@ -148,8 +155,26 @@ class Orchestrator:
                                                         "omnifleet.stages": ",".join(stages)}, server=True)
         self.runs[run.id] = run
         run.expiry = asyncio.get_running_loop().call_later(timeout_s, self._expire, run)
-        self._dispatch(run, self._plan(run))
+        if missing:  # scaled to zero: held while the autoscaler, seeing the demand, starts a replica
+            log.info("request %s waits for the first replica of %s (scaled to zero)", run.id, ", ".join(missing))
+            self._spawn(self._redispatch(run))
+        else:
+            self._dispatch(run, self._plan(run))
         return run
+
+    def demand(self) -> dict[str, int]:
+        """Open requests per stage they still need (in flight on it, or waiting for a replica of it)."""
+        out = {s.name: 0 for s in self.spec.stages}
+        for run in self.runs.values():
+            for name in run.stages:
+                if name not in run.done_at:
+                    out[name] += 1
+        return out
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _plan(self, run: Run) -> dict[str, Replica] | None:
         plan: dict[str, Replica] = {}
@@ -185,7 +210,10 @@ class Orchestrator:
             ))
 
     async def _redispatch(self, run: Run) -> None:
-        deadline = time.monotonic() + self.replica_wait_s
+        # A stage scaled to zero gets its activation timeout: its first replica may need minutes.
+        missing = [s for s in self.membership.missing() if s in run.stages]
+        wait_s = max([self.activation_s.get(s, self.replica_wait_s) for s in missing] or [self.replica_wait_s])
+        deadline = time.monotonic() + wait_s
         while not run.closed:
             plan = self._plan(run)
             if plan is not None:
@@ -193,9 +221,12 @@ class Orchestrator:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = ", ".join(s for s in self.membership.missing() if s in run.stages)
-                self._fail(run, f"no replica of stage(s) {missing} came back within {self.replica_wait_s:g}s",
-                           status=503, code="no_replica")
+                missing = [s for s in self.membership.missing() if s in run.stages]
+                zero = [s for s in missing if s in self.activation_s]
+                why = (f"no replica of stage(s) {', '.join(missing)} came back within {wait_s:g}s" if not zero else
+                       f"no replica of stage(s) {', '.join(missing)} started within {wait_s:g}s (scaled to zero: "
+                       f"the autoscaler adds one while requests wait; activationTimeoutSeconds bounds the wait)")
+                self._fail(run, why, status=503, code="no_replica")
                 return
             await self.membership.wait_change(left)
 
@@ -332,9 +363,7 @@ class Orchestrator:
             self.metrics.redispatches.inc(stage=rep.stage)
             self._release(run, abort=True, why=f"replica {rep.replica} of stage {rep.stage!r} {why}")
             run.attempt += 1
-            task = asyncio.get_running_loop().create_task(self._redispatch(run))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._redispatch(run))
 
     # ------------------------------------------------------------ control RPCs
 

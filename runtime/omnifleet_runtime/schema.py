@@ -264,7 +264,12 @@ class Autoscaling(Model):
         json_schema_extra=cel(("self.minReplicas <= self.maxReplicas", "minReplicas must not exceed maxReplicas"))
     )
 
-    min_replicas: int = Field(1, ge=1, le=10000, description="Fewest replicas.")
+    min_replicas: int = Field(
+        1, ge=0, le=10000,
+        description="Fewest replicas. 0: scale to zero when idle. The HPA then scales on the masters' demand "
+        "for the stage (requests in flight on it or waiting for it; metric inflight only), and a request that "
+        "finds no replica waits up to activationTimeoutSeconds for the first one (Kubernetes >= 1.37, or the "
+        "HPAScaleToZero feature gate before).")
     max_replicas: int = Field(ge=1, le=10000, description="Most replicas.")
     metric: Literal["inflight", "queueDepth", "realTimeFactor"] | None = Field(
         None,
@@ -287,6 +292,10 @@ class Autoscaling(Model):
         description="Target in-flight requests per replica when the metric is inflight and `target` is unset.",
     )
 
+    activation_timeout_seconds: float | None = Field(
+        None, gt=0, le=3600,
+        description="With minReplicas 0: how long a request waits for a stage scaled to zero to get a replica "
+        "(scheduling, image pull, engine load) before it is answered 503. Default: 300.")
     scale_down_stabilization_seconds: int | None = Field(
         None,
         ge=0,
@@ -295,6 +304,10 @@ class Autoscaling(Model):
         "behavior.scaleDown.stabilizationWindowSeconds). Default: the HPA's, 300 s: an engine reload costs "
         "minutes, so a short lull should not drop a replica.",
     )
+
+    @property
+    def activation_timeout(self) -> float:
+        return 300.0 if self.activation_timeout_seconds is None else self.activation_timeout_seconds
 
     def metric_for(self, group: list["Stage"]) -> str:
         """The metric of a host stage's autoscaler; group: the host and the stages co-located in its pods."""

@@ -169,6 +169,10 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
             add(f"{at}.autoscaling", "set replicas or autoscaling, not both")
         if s.autoscaling and s.autoscaling.min_replicas > s.autoscaling.max_replicas:
             add(f"{at}.autoscaling.minReplicas", "must not exceed maxReplicas")
+        if s.autoscaling and s.autoscaling.min_replicas == 0 and s.colocate_with is None and s.autoscaling.metric_for(
+                [s] + [o for o in spec.stages if o.colocate_with == s.name]) != "inflight":
+            add(f"{at}.autoscaling.minReplicas", "0 (scale to zero) scales on the masters' demand for the stage: "
+                "set metric to inflight")
         if s.autoscaling and s.colocate_with is None and s.autoscaling.metric_stage(
                 [s] + [o for o in spec.stages if o.colocate_with == s.name]) is None:
             add(f"{at}.autoscaling.metric", "realTimeFactor needs a stage in this stage's pods (itself or one "

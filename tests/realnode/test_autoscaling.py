@@ -5,12 +5,14 @@ custom.metrics.k8s.io server (manifests/autoscaling/, applied by `dev up`), whic
 `metrics` ports. A bounded load (LOAD_CLIENTS clients, at most LOAD_MAX_REQUESTS requests and
 LOAD_MAX_S seconds) raises the stage's in-flight count over its target: the HPA adds a replica; the
 load ends: the HPA takes it away. The operator writes no replica count meanwhile, and the pipeline
-file shows no drift to a GitOps tool (`kubectl diff`).
+file shows no drift to a GitOps tool (`kubectl diff`). A stage with minReplicas 0 goes to zero when idle
+and comes back for a request, which the master holds meanwhile.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import threading
 import time
@@ -46,21 +48,23 @@ SCALE_TIMEOUT_S = 200.0
 OPERATOR_SA_USER = f"system:serviceaccount:{dev.OPERATOR_NAMESPACE}:{dev.OPERATOR_SA}"
 INFLIGHT = "omnifleet_worker_inflight"
 
-PIPELINE = {
-    "apiVersion": "omnifleet.dev/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": NAME},
-    "spec": {
-        "master": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}},
-        "stages": [{
-            "name": STAGE, "type": "python", "entrypoint": "holdops:hold", "gpus": 0, "finalOutput": "text",
-            "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-            "volumes": [{"name": "code", "configMap": {"name": f"{NAME}-code"}}],
-            "volumeMounts": [{"name": "code", "mountPath": "/opt/code", "readOnly": True}],
-            "env": [{"name": "PYTHONPATH", "value": "/opt/code"}],
-            "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "metric": "inflight", "target": TARGET,
-                            "scaleDownStabilizationSeconds": 15},
-        }],
-    },
-}
+
+
+def pipeline_doc(name: str, autoscaling: dict) -> dict:
+    return {
+        "apiVersion": "omnifleet.dev/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": name},
+        "spec": {
+            "master": {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}},
+            "stages": [{
+                "name": STAGE, "type": "python", "entrypoint": "holdops:hold", "gpus": 0, "finalOutput": "text",
+                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+                "volumes": [{"name": "code", "configMap": {"name": "hold-code"}}],
+                "volumeMounts": [{"name": "code", "mountPath": "/opt/code", "readOnly": True}],
+                "env": [{"name": "PYTHONPATH", "value": "/opt/code"}],
+                "autoscaling": autoscaling,
+            }],
+        },
+    }
 
 
 class Load:
@@ -102,10 +106,10 @@ class Load:
         return dict(self.answers)
 
 
-def custom_metric(cluster, ns: str) -> list[dict]:
-    """What the HPA controller reads: the aggregation layer's answer for this stage's pods."""
+def custom_metric(cluster, ns: str, objects: str = "pods/*", metric: str = INFLIGHT) -> list[dict]:
+    """What the HPA controller reads: the aggregation layer's answer for this stage's pods (or an object)."""
     sel = f"{C.LABEL_PIPELINE}={NAME},{C.LABEL_STAGE}={STAGE}"
-    r = cluster.kubectl("get", "--raw", f"/apis/custom.metrics.k8s.io/v1beta2/namespaces/{ns}/pods/*/{INFLIGHT}"
+    r = cluster.kubectl("get", "--raw", f"/apis/custom.metrics.k8s.io/v1beta2/namespaces/{ns}/{objects}/{metric}"
                         f"?labelSelector={urllib.request.quote(sel)}&metricLabelSelector=stage%3D{STAGE}", check=False)
     if r.returncode:
         print(f"custom.metrics.k8s.io: {r.stderr.strip()}", flush=True)
@@ -117,21 +121,28 @@ def milli(q: str) -> float:
     return float(q[:-1]) / 1000 if q.endswith("m") else float(q)
 
 
-@pytest.fixture
-def pipeline(cluster, kube, tmp_path: Path):
-    ns = make_namespace(cluster, "autoscaling", PSA_RESTRICTED)
-    cluster.kubectl("create", "configmap", f"{NAME}-code", "-n", ns, f"--from-literal=holdops.py={CODE}")
-    file = tmp_path / "pipeline.yaml"
-    file.write_text(yaml.safe_dump(PIPELINE))
+@contextlib.contextmanager
+def deployed(cluster, kube, tmp_path: Path, name: str, autoscaling: dict):
+    ns = make_namespace(cluster, name, PSA_RESTRICTED)
+    cluster.kubectl("create", "configmap", "hold-code", "-n", ns, f"--from-literal=holdops.py={CODE}")
+    file = tmp_path / f"{name}.yaml"
+    file.write_text(yaml.safe_dump(pipeline_doc(name, autoscaling)))
     cluster.kubectl("apply", "-n", ns, "-f", str(file))
     try:
-        wait_ready(kube, cluster, ns, NAME, timeout=240)
+        wait_ready(kube, cluster, ns, name, timeout=240)
         yield ns, file
     except BaseException:
         print(describe_failure(cluster, ns))
         raise
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture
+def pipeline(cluster, kube, tmp_path: Path):
+    with deployed(cluster, kube, tmp_path, NAME, {"minReplicas": 1, "maxReplicas": 2, "metric": "inflight",
+                                                  "target": TARGET, "scaleDownStabilizationSeconds": 15}) as d:
+        yield d
 
 
 def test_load_scales_a_stage_up_through_the_hpa_and_back_down(pipeline, cluster, kube):
@@ -198,3 +209,43 @@ def test_load_scales_a_stage_up_through_the_hpa_and_back_down(pipeline, cluster,
     # What Argo CD or Flux compares: the pipeline file against the live object.
     diff = cluster.kubectl("diff", "-n", ns, "-f", str(file), check=False)
     assert diff.returncode == 0, diff.stdout + diff.stderr
+
+
+def test_a_stage_scaled_to_zero_wakes_for_a_request_that_waits(cluster, kube, tmp_path: Path):
+    """minReplicas 0: idle, the HPA takes the last replica away (on the masters' demand, an object metric of
+    the master Service); a request then waits in the master while the HPA starts one, and is answered."""
+    name = "idle"
+    auto = {"minReplicas": 0, "maxReplicas": 1, "activationTimeoutSeconds": 240, "scaleDownStabilizationSeconds": 15}
+    with deployed(cluster, kube, tmp_path, name, auto) as (ns, _):
+        deploy = f"{name}-{STAGE}"
+
+        def replicas() -> tuple:
+            dep = kube.get("Deployment", ns, deploy) or {}
+            return dep.get("spec", {}).get("replicas"), dep.get("status", {}).get("readyReplicas") or 0
+
+        wait_for(lambda: replicas() == (0, 0), timeout=SCALE_TIMEOUT_S, interval=2,
+                 what=lambda: f"the idle stage scaled to zero by its HPA ({replicas()})")
+        ready = wait_ready(kube, cluster, ns, name, timeout=60)
+        assert "scaled to zero" in condition_message(ready, "Ready"), ready["status"]
+        demand = custom_metric(cluster, ns, f"services/{name}-master", C.STAGE_DEMAND_METRIC)
+        assert [(i["describedObject"]["kind"], milli(i["value"])) for i in demand] == [("Service", 0.0)], demand
+
+        forward = dev.PortForward(cluster, ns, f"svc/{name}-master", C.MASTER_API_PORT)
+        try:
+            body = json.dumps({"model": name, "messages": [{"role": "user", "content": "wake up"}]}).encode()
+            req = urllib.request.Request(f"{forward.url}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            started = time.monotonic()
+            with urllib.request.urlopen(req, timeout=300) as r:
+                answer = json.loads(r.read())["choices"][0]["message"]["content"]
+            waited = time.monotonic() - started
+        finally:
+            forward.stop()
+        assert answer == "held"
+        assert replicas()[0] == 1  # the HPA's replica (its pod turns ready at its next readiness probe)
+        print(f"a request at zero replicas answered after {waited:.1f}s (the stage holds it {HOLD_S:g}s)", flush=True)
+
+
+def condition_message(pipeline: dict, ctype: str) -> str:
+    return next((c.get("message", "") for c in pipeline.get("status", {}).get("conditions", [])
+                 if c["type"] == ctype and c["status"] == "True"), "")

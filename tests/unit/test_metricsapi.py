@@ -76,7 +76,7 @@ def test_the_answer_is_a_metric_value_list_in_milli_units():
     assert item["metric"] == {"name": "omnifleet_worker_inflight", "selector": {"matchLabels": {"stage": "llm"}}}
     assert item["timestamp"] == "2026-12-01T12:00:00Z"
     served = {r["name"] for r in M.resource_list()["resources"]}
-    assert served == {f"pods/{m}" for m in M.METRICS}
+    assert served == {f"pods/{m}" for m in M.POD_METRICS} | {"services/omnifleet_stage_demand"}
 
 
 def _ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:

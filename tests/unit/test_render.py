@@ -322,8 +322,29 @@ def test_an_hpa_holds_the_metric_its_stages_mean():
     served = {r["name"]["as"] for r in rules["rules"]}
     assert set(AUTOSCALING_METRICS.values()) == served
     # ... and so does the operator's own custom.metrics.k8s.io server.
-    from omnifleet_operator.metricsapi import METRICS
-    assert METRICS == served
+    from omnifleet_operator.metricsapi import POD_METRICS
+    assert POD_METRICS == served
+
+
+def test_a_stage_that_scales_to_zero_scales_on_the_masters_demand():
+    from omnifleet_operator.render import master_view
+
+    doc = autoscaled_pipeline(metric="inflight", minReplicas=0)
+    objs = render(doc)
+    spec = objs[("HorizontalPodAutoscaler", "auto-talker")]["spec"]
+    assert spec["minReplicas"] == 0
+    assert spec["metrics"] == [{"type": "Object", "object": {
+        "describedObject": {"apiVersion": "v1", "kind": "Service", "name": "auto-master"},
+        "metric": {"name": "omnifleet_stage_demand", "selector": {"matchLabels": {"stage": "talker"}}},
+        "target": {"type": "AverageValue", "averageValue": "4"}}}]
+    # The masters learn which stages may be at zero; scaling edits (maxReplicas) do not roll them.
+    checked, problems = check_document(doc)
+    assert not problems
+    view = {s["name"]: s.get("autoscaling") for s in master_view(checked)["stages"]}
+    assert view == {"llm": None, "talker": {"minReplicas": 0, "maxReplicas": 1, "metric": "inflight"},
+                    "vocoder": None}
+    doc["spec"]["stages"][1]["autoscaling"]["maxReplicas"] = 3
+    assert master_view(check_document(doc)[0]) == master_view(checked)
 
 
 def test_scale_down_stabilization_is_the_hpas_unless_set():

@@ -150,6 +150,30 @@ def test_autoscaled_stage_desired_comes_from_the_live_deployment():
     assert next(s for s in st["stages"] if s["name"] == "llm")["desiredReplicas"] == 5
 
 
+def test_a_stage_that_may_scale_to_zero_is_idle_at_zero_not_missing():
+    raw = yaml.safe_load((REPO / "manifests/samples/autoscaled.yaml").read_text())
+    raw["spec"]["stages"][1]["autoscaling"]["minReplicas"] = 0
+    doc, problems = check_document(raw)
+    assert not problems
+
+    def at(llm):
+        deps = dict([dep("autoscaled-master", 1), dep("autoscaled-prep", 1), llm])
+        return compute_status(name="autoscaled", namespace="default", generation=1, doc=doc, problems=[],
+                              observed=Observed(deps), prior=None, now=T0)
+
+    st = at(dep("autoscaled-llm", 0))
+    assert st["phase"] == "Ready", st
+    assert "llm scaled to zero: requests wait for a replica" in cond(st, "Ready")["message"]
+    # Its last pod still terminating: not yet at zero.
+    assert at(dep("autoscaled-llm", 0, replicas=1))["phase"] != "Ready"
+    # A stage at zero without minReplicas 0 is not serving: ScaledToZero, not Ready.
+    doc, _ = check_document(yaml.safe_load((REPO / "manifests/samples/autoscaled.yaml").read_text()))
+    st = compute_status(name="autoscaled", namespace="default", generation=1, doc=doc, problems=[],
+                        observed=Observed(dict([dep("autoscaled-master", 1), dep("autoscaled-prep", 1),
+                                                dep("autoscaled-llm", 0)])), prior=None, now=T0)
+    assert cond(st, "Ready")["status"] == "False" and cond(st, "Ready")["reason"] == "ScaledToZero"
+
+
 def test_several_masters_are_ready_only_when_all_are():
     raw = yaml.safe_load((REPO / "manifests/samples/speech.yaml").read_text())
     raw["spec"]["master"] = {"replicas": 2}

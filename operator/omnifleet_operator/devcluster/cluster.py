@@ -55,6 +55,8 @@ else:  # run as a script: the script's directory is on sys.path
 # Start order; `down` stops in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 STOP_GRACE_S = 10.0
+# HPAs with minReplicas 0 (stages that scale to zero): beta and on by default from Kubernetes 1.37.
+FEATURE_GATES = "HPAScaleToZero=true"
 FRONT_PROXY_CLIENT = "front-proxy-client"  # the CN the aggregation layer's client cert carries
 NODE_LEASE_SECONDS = 40  # kwok renews each fake node's Lease (what kwokctl sets by default)
 # Log every write once (at ResponseComplete), nothing else.
@@ -419,6 +421,7 @@ class DevCluster:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--allow-privileged=true",
+                f"--feature-gates={FEATURE_GATES}",
                 # Who wrote what: tests count an operator's writes from this log.
                 f"--audit-policy-file={s / 'audit-policy.json'}",
                 f"--audit-log-path={self.audit_log}",
@@ -446,6 +449,7 @@ class DevCluster:
                 "--leader-elect=false",
                 "--bind-address=127.0.0.1",
                 f"--secure-port={ports['controller-manager']}",
+                f"--feature-gates={FEATURE_GATES}",
                 f"--service-account-private-key-file={pki / 'sa.key'}",
                 f"--root-ca-file={pki / 'ca.crt'}",  # published as kube-root-ca.crt
                 f"--cluster-signing-cert-file={pki / 'ca.crt'}",
