@@ -75,6 +75,7 @@ def panels() -> list[Obj]:
     per_stage = [
         ("Load", "Load: $stage", [
             _q(f"sum(omnifleet_stage_inflight{{{STAGE_SEL}}})", "in flight (master)"),
+            _q(f"sum(omnifleet_stage_demand{{{STAGE_SEL}}})", "demand (in flight or waiting for a replica)"),
             _q(f"sum(omnifleet_worker_queue_depth{{{STAGE_SEL}}})", "queued in replicas"),
             _q(f"sum(rate(omnifleet_worker_requests_total{{{STAGE_SEL}}}{RATE}))", "finished/s")], "short"),
         ("Latency", "Latency: $stage", [

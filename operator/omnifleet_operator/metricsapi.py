@@ -51,6 +51,7 @@ SERVICE = "omnifleet-metrics-api"  # the Service the APIService names (manifests
 TLS_SECRET = "omnifleet-metrics-api-tls"
 AUTH_CONFIGMAP = ("kube-system", "extension-apiserver-authentication")
 SCRAPE_TIMEOUT_S = 3.0  # one pod's /metrics; a pod that does not answer is left out, as the HPA expects
+SCRAPES_AT_ONCE = 64  # per replica of the operator, over all HPAs asking at once
 CERT_DAYS = 3650
 POD_METRICS = frozenset(AUTOSCALING_METRICS.values())  # of stage pods, read from their `metrics` port
 # Of a master Service, summed over its masters' /metrics: what a stage that scales to zero scales on.
@@ -222,6 +223,7 @@ class MetricsApi:
         self.allowed_names: frozenset[str] = frozenset()
         self.session: aiohttp.ClientSession | None = None
         self.runner: web.AppRunner | None = None
+        self.scrapes = asyncio.Semaphore(SCRAPES_AT_ONCE)
 
     async def start(self) -> None:
         """Raises NotInstalled while manifests/autoscaling/ is not applied."""
@@ -384,7 +386,7 @@ class MetricsApi:
         assert self.session is not None
         url = f"http://{pod.status.podIP}:{port}/metrics"
         try:
-            async with self.session.get(url) as r:
+            async with self.scrapes, self.session.get(url) as r:
                 if r.status != 200:
                     raise aiohttp.ClientError(f"HTTP {r.status}")
                 text = await r.text()
