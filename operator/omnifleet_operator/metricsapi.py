@@ -313,16 +313,24 @@ class MetricsApi:
             return status(403, "Forbidden", "only the aggregation layer's front proxy may call")
         return await handler(request)
 
-    async def _pods(self, request: web.Request) -> web.Response:
+    @staticmethod
+    def _asked(request: web.Request, resource: str, served: frozenset[str]):
+        """(namespace, name, metric, metric selector, object selector), or the error answer."""
         ns, name, metric = (request.match_info[k] for k in ("namespace", "name", "metric"))
-        if metric not in POD_METRICS:
-            return status(404, "NotFound", f"metric {metric!r} of pods is not served here; served: "
-                                           f"{sorted(POD_METRICS)}")
+        if metric not in served:
+            return status(404, "NotFound", f"metric {metric!r} of {resource} is not served here; served: "
+                                           f"{sorted(served)}")
         try:
-            metric_reqs = parse_selector(request.query.get("metricLabelSelector", ""))
-            pod_reqs = parse_selector(request.query.get("labelSelector", ""))
+            return (ns, name, metric, parse_selector(request.query.get("metricLabelSelector", "")),
+                    parse_selector(request.query.get("labelSelector", "")))
         except SelectorError as e:
             return status(400, "BadRequest", str(e))
+
+    async def _pods(self, request: web.Request) -> web.Response:
+        asked = self._asked(request, "pods", POD_METRICS)
+        if isinstance(asked, web.Response):
+            return asked
+        ns, name, metric, metric_reqs, pod_reqs = asked
         pods = await self._stage_pods(ns, name, request.query.get("labelSelector", ""))
         if name != "*" and not pods:
             return status(404, "NotFound", f"no omnifleet stage pod {ns}/{name}")
@@ -347,20 +355,14 @@ class MetricsApi:
             sel = ",".join(s for s in (label_selector, STAGE_PODS) if s)
             pods = [p async for p in self.client.list(Pod, namespace=ns, labels=_lightkube_labels(sel))]
         stage_reqs = parse_selector(STAGE_PODS)
-        return [p for p in pods if selector_matches(stage_reqs, p.metadata.labels or {})
-                and p.status and p.status.phase == "Running" and p.status.podIP
-                and not p.metadata.deletionTimestamp]
+        return running([p for p in pods if selector_matches(stage_reqs, p.metadata.labels or {})])
 
     async def _service(self, request: web.Request) -> web.Response:
         """A master Service's metric: the sum over its ready masters (each holds its own requests)."""
-        ns, name, metric = (request.match_info[k] for k in ("namespace", "name", "metric"))
-        if metric not in SERVICE_METRICS:
-            return status(404, "NotFound", f"metric {metric!r} of services is not served here; served: "
-                                           f"{sorted(SERVICE_METRICS)}")
-        try:
-            metric_reqs = parse_selector(request.query.get("metricLabelSelector", ""))
-        except SelectorError as e:
-            return status(400, "BadRequest", str(e))
+        asked = self._asked(request, "services", SERVICE_METRICS)
+        if isinstance(asked, web.Response):
+            return asked
+        ns, name, metric, metric_reqs, _ = asked
         try:
             svc = await self.client.get(Service, name, namespace=ns)
         except ApiError as e:
@@ -372,8 +374,7 @@ class MetricsApi:
             return status(404, "NotFound", f"Service {ns}/{name} is not an omnifleet master Service")
         sel = ",".join(f"{k}={v}" for k, v in sorted(svc.spec.selector.items()))
         pods = [p async for p in self.client.list(Pod, namespace=ns, labels=_lightkube_labels(f"{sel},{MASTERS}"))]
-        pods = [p for p in pods if p.status and p.status.phase == "Running" and p.status.podIP
-                and not p.metadata.deletionTimestamp]
+        pods = running(pods)
         got = [v for v in await asyncio.gather(*(self._scrape(p, C.MASTER_API_PORT, metric, metric_reqs)
                                                   for p in pods)) if v is not None]
         if not got:  # no value: the HPA holds the replica count rather than act on a guess
@@ -394,6 +395,12 @@ class MetricsApi:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             log.info("left pod %s/%s out of %s: %s", pod.metadata.namespace, pod.metadata.name, metric, e or type(e))
             return None
+
+
+def running(pods: list[Pod]) -> list[Pod]:
+    """Pods that can be read: running, with an IP, not being deleted."""
+    return [p for p in pods if p.status and p.status.phase == "Running" and p.status.podIP
+            and not p.metadata.deletionTimestamp]
 
 
 _LK_OPS = {"=": lambda v: next(iter(v)), "!=": lambda v: lk.not_equal(next(iter(v))),
