@@ -84,7 +84,7 @@ def group_view(doc: OmniPipeline, host: str) -> Obj:
     """What a host stage's pods read from the config: its group and the defaults."""
     d = dump(resolve(doc))["spec"]
     # Scale-only fields stay out, so scaling never restarts pods.
-    group = [{k: v for k, v in s.items() if k not in SCALE_FIELDS + POD_ONLY_FIELDS}
+    group = [{k: v for k, v in s.items() if k not in SCALE_FIELDS + POD_ONLY_FIELDS and not _unset_since(k, v)}
              for s in d["stages"] if s["name"] == host or s.get("colocateWith") == host]
     return {k: d.get(k) for k in ("model", "image", "modelVolume", "security")} | {"stages": group} | _heartbeat(d)
 
@@ -95,12 +95,22 @@ def master_view(doc: OmniPipeline) -> Obj:
     It covers every stage's ROUTING_FIELDS, and a stage's own pods roll when
     those change, so master and stages always agree on them after a rollout.
     """
-    keep = ROUTING_FIELDS + ("model", "samplingParams")
+    keep = ROUTING_FIELDS + ("model", "samplingParams", "loras")
     d = dump(resolve(doc))["spec"]
     # Scaling the masters rolls none of them.
     master = {k: v for k, v in d["master"].items() if k not in POD_ONLY_FIELDS + ("replicas",)}
     return {"model": d.get("model"), "master": master, "security": d["security"],
-            "stages": [{k: s[k] for k in keep if k in s} | _from_zero(s) for s in d["stages"]]} | _heartbeat(d)
+            "stages": [{k: s[k] for k in keep if k in s and not _unset_since(k, s[k])} | _from_zero(s)
+                       for s in d["stages"]]} | _heartbeat(d)
+
+
+# Stage fields added after pods were running: left out of the views while empty, so that pods of pipelines
+# that do not use them keep their config hashes across an operator upgrade (no restart for nothing).
+ADDED_LATER = ("loras",)
+
+
+def _unset_since(key: str, value: Any) -> bool:
+    return key in ADDED_LATER and value in ([], {}, None)
 
 
 def _from_zero(stage: Obj) -> Obj:

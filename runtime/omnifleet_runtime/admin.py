@@ -76,10 +76,15 @@ def _params(value: Any, limit: int) -> None:
         raise BadRequest("'args.sampling_params' must be an object (of bounded size)")
 
 
+def _lora(value: Any, limit: int) -> None:
+    if not isinstance(value, str) or len(value) > 63:
+        raise BadRequest("'args.lora' must be the name of one of the stage's LoRA adapters")
+
+
 _NO_ARGS = _only()
 CONTROL_METHODS: dict[str, dict[str, Callable[[dict[str, Any], int], None]]] = {
     "llm": {
-        "ping": _NO_ARGS, "stats": _NO_ARGS, "generate": _only(prompts=_prompts, sampling_params=_params),
+        "ping": _NO_ARGS, "stats": _NO_ARGS, "generate": _only(prompts=_prompts, sampling_params=_params, lora=_lora),
         "sleep": _only(level=_sleep_level), "wake_up": _only(tags=_tags), "reset_prefix_cache": _NO_ARGS,
         "start_profile": _NO_ARGS, "stop_profile": _NO_ARGS, "is_sleeping": _NO_ARGS,
     },

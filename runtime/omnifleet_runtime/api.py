@@ -78,6 +78,11 @@ class Api:
         self.draining = False  # SIGTERM: no new request; those in flight finish (master.py)
         self.model_id = doc.metadata.name
         self.model_names = {self.model_id} | ({self.spec.model} if self.spec.model else set())
+        # LoRA adapters by name, and the stages that serve each (the others run their base model).
+        self.loras: dict[str, list[str]] = {}
+        for st in self.spec.stages:
+            for lora in st.loras:
+                self.loras.setdefault(lora.name, []).append(st.name)
         self.entry = next(s.name for s in self.spec.stages if not s.inputs)
         self.final_types = {s.name: s.final_output for s in self.spec.stages if s.final_output != "none"}
 
@@ -160,6 +165,9 @@ class Api:
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "omnifleet"}
             for name in sorted(self.model_names)
+        ] + [
+            {"id": name, "object": "model", "created": 0, "owned_by": "omnifleet", "parent": self.model_id,
+             "stages": stages} for name, stages in sorted(self.loras.items()) if name not in self.model_names
         ]})
 
     # ------------------------------------------------------------ completions
@@ -206,8 +214,9 @@ class Api:
 
     def _model(self, body: dict[str, Any]) -> str | web.Response:
         model = body.get("model") or self.model_id
-        if model not in self.model_names:
-            return error_response(404, f"model {model[:256]!r} is not served here; try {self.model_id!r}",
+        if model not in self.model_names and model not in self.loras:
+            adapters = f" or a LoRA adapter ({', '.join(sorted(self.loras))})" if self.loras else ""
+            return error_response(404, f"model {model[:256]!r} is not served here; try {self.model_id!r}{adapters}",
                                   "model_not_found")
         return model
 
@@ -220,6 +229,7 @@ class Api:
         prompt = body.get(prompt_key)
         info = wire.RequestInfo(
             request_id=f"{id_prefix}-{uuid.uuid4().hex}", kind=kind, model=model,
+            lora=model if model in self.loras and model not in self.model_names else "",
             prompt=None if kind == "chat" else prompt, messages=prompt if kind == "chat" else None,
             extra={k: v for k, v in body.items() if k != prompt_key},  # the known keys only (limits.py)
         )

@@ -447,6 +447,19 @@ class VllmOmniStage(Model):
     )
 
 
+class LoraAdapter(Model):
+    """A LoRA adapter an llm stage serves beside its base model."""
+
+    name: str = Field(
+        pattern=DNS_LABEL, max_length=63,
+        description="What a request names in `model` to use it; the stages that list it run it, the others their "
+        "base model. Listed in /v1/models.")
+    path: str = Field(
+        min_length=1, max_length=1024,
+        description="Folder of the adapter (PEFT layout: adapter_config.json, adapter_model.safetensors) in the "
+        "stage's pods, e.g. in the model volume.")
+
+
 class Stage(Model):
     """One stage of the pipeline: an engine core fed by its upstream stages."""
 
@@ -511,6 +524,10 @@ class Stage(Model):
     sampling_params: FreeForm = Field(
         default_factory=dict, description="Default sampling parameters; a request can override them per stage."
     )
+    loras: list[LoraAdapter] = Field(
+        default_factory=list, max_length=64,
+        description="llm stages: LoRA adapters served beside the base model (vLLM's enable_lora; max_loras "
+        "defaults to their count, max_lora_rank to vLLM's, both settable in engineArgs).")
     vllm_omni: VllmOmniStage | None = Field(None, description="The vLLM-Omni stage this vllm-omni stage runs.")
     engine_start_timeout_seconds: int | None = Field(
         None, ge=1, le=86400,

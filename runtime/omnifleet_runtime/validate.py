@@ -165,6 +165,15 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
                 add(f"{at}.entrypoint", "not used by vllm-omni stages")
         elif s.vllm_omni is not None:
             add(f"{at}.vllmOmni", "only for vllm-omni stages")
+        if s.loras and s.type != "llm":
+            add(f"{at}.loras", "only llm stages serve LoRA adapters")
+        seen_loras: dict[str, int] = {}
+        for j, lora in enumerate(s.loras):
+            if lora.name in seen_loras:
+                add(f"{at}.loras[{j}].name", f"duplicate adapter name {lora.name!r} (also loras[{seen_loras[lora.name]}])")
+            seen_loras.setdefault(lora.name, j)
+            if lora.name == spec.model:
+                add(f"{at}.loras[{j}].name", "must differ from spec.model (the base model's name in requests)")
         if s.replicas is not None and s.autoscaling is not None:
             add(f"{at}.autoscaling", "set replicas or autoscaling, not both")
         if s.autoscaling and s.autoscaling.min_replicas > s.autoscaling.max_replicas:

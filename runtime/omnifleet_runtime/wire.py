@@ -148,6 +148,7 @@ class RequestInfo(msgspec.Struct):
     prompt: Any = None
     messages: list[Any] | None = None
     extra: dict[str, Any] = {}
+    lora: str = ""  # the LoRA adapter `model` named; stages that list it run it
 
 
 class Route(msgspec.Struct):

@@ -68,3 +68,28 @@ def tiny_denoiser(channels: int = 3, dim: int = 32, seed: int = 0, with_encoder:
     if with_encoder:
         return {"denoiser": denoiser, "text_encoder": torch.nn.Embedding(512, dim)}
     return denoiser
+
+
+def tiny_lora(model_dir: str | Path, out: str | Path, rank: int = 8, seed: int = 0) -> Path:
+    """A LoRA adapter (PEFT layout) on q_proj and v_proj of a Qwen2-style model, random and large enough to
+    change its greedy tokens: what a trained adapter looks like to vLLM, made in a second."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_out = cfg.get("num_key_value_heads", heads) * (hidden // heads)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for mod, dim_out in (("q_proj", hidden), ("v_proj", kv_out)):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{mod}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(dim_out, rank, generator=g) * 0.5
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": str(model_dir)}))
+    return out

@@ -22,6 +22,7 @@ import time
 import urllib.request
 import wave
 import zlib
+from pathlib import Path
 
 import pytest
 
@@ -62,11 +63,12 @@ def painter_stage() -> dict:
     return stage
 
 
-def doc() -> dict:
+def doc(lora: Path) -> dict:
     d = pipeline(
         {"name": "thinker", "type": "llm", "gpus": 0, "engineArgs": ENGINE, "samplingParams": THINKER},
         {"name": "talker", "type": "llm", "gpus": 0, "inputs": ["thinker"], "finalOutput": "text",
-         "inputProcessor": "enginefns:recording_llm_text", "engineArgs": ENGINE, "samplingParams": TALKER},
+         "inputProcessor": "enginefns:recording_llm_text", "engineArgs": ENGINE, "samplingParams": TALKER,
+         "loras": [{"name": "terse", "path": str(lora)}]},
         {"name": "vocoder", "type": "python", "entrypoint": "enginefns:sine_vocoder", "inputs": ["talker"],
          "colocateWith": "talker", "inputMode": "stream", "finalOutput": "audio",
          "inputProcessor": "omnifleet_runtime.processors:talker_to_code2wav"},
@@ -81,7 +83,7 @@ def doc() -> dict:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("omni")
-    f = Fleet(tmp, doc())
+    f = Fleet(tmp, doc(enginefns.tiny_lora(ensure_tiny_model(), tmp / "lora-terse")))
     f.env["PYTHONPATH"] += f":{HERE}"
     f.env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     t = time.monotonic()
@@ -217,6 +219,32 @@ def test_chat_greedy_tokens_equal_the_engines_called_directly(fleet):
     assert usage["stages"]["talker"] == {"prompt_tokens": len(d2["prompt_token_ids"]),
                                          "completion_tokens": len(talker_ids)}
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(d1["prompt_token_ids"]), len(talker_ids))
+
+
+def test_a_lora_adapter_named_as_the_model_runs_in_the_stages_that_serve_it(fleet):
+    """The talker serves LoRA `terse`: a request for model `terse` runs it there and the thinker's base model."""
+    status, models = fleet.get("/v1/models")
+    assert {"id": "terse", "object": "model", "created": 0, "owned_by": "omnifleet", "parent": "omni",
+            "stages": ["talker"]} in models["data"], models
+    before = len(processor_records(fleet))
+    status, body = fleet.http("POST", "/v1/chat/completions",
+                              {"model": "terse", "messages": CHAT, "return_token_ids": True})
+    assert status == 200, body
+    assert body["model"] == "terse"
+    thinker_ids = [t for c in record_of(fleet, before)["chunks"] for t in c["token_ids"]]
+    (d1,) = direct(fleet, "thinker", [CHAT], THINKER)["outputs"]
+    assert d1["token_ids"] == thinker_ids  # the thinker serves no adapter: its base model
+    (with_lora,) = control(fleet, "talker", "generate", {"prompts": [d1["text"]], "sampling_params": TALKER,
+                                                         "lora": "terse"})["outputs"]
+    (base,) = direct(fleet, "talker", [d1["text"]], TALKER)["outputs"]
+    assert body["choices"][0]["token_ids"] == with_lora["token_ids"] != base["token_ids"]
+    # An adapter nobody serves is refused by name, before anything runs.
+    status, body = fleet.http("POST", "/v1/chat/completions", {"model": "verbose", "messages": CHAT})
+    assert status == 404 and "LoRA adapter (terse)" in body["error"]["message"], body
+    status, body = fleet.control("thinker", {"method": "generate", "timeout": 60, "args": {
+        "prompts": [CHAT], "sampling_params": THINKER, "lora": "terse"}})
+    (answer,) = body["replicas"].values()
+    assert not answer["ok"] and "serves no LoRA adapter 'terse'" in answer["error"], body
 
 
 def test_seeded_sampling_equals_the_engines_called_directly(fleet):

@@ -124,6 +124,7 @@ class VllmEngine(Engine):
         self.active: dict[str, set[str]] = {}  # our request id -> vLLM request ids
         self.start_s = 0.0
         self.model = ""
+        self.loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest (stage.loras)
         self._vllm: Any = None
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{stage.name}-tokenize")
@@ -139,6 +140,11 @@ class VllmEngine(Engine):
         check_engine_args(self.stage, fields - {"model"}, "vllm.AsyncEngineArgs", vllm.__version__)
         self._vllm = vllm
         args = {"disable_log_stats": False, **self.stage.engine_args, "model": self.model}
+        if self.stage.loras:
+            from vllm.lora.request import LoRARequest
+
+            args = {"enable_lora": True, "max_loras": len(self.stage.loras), **args}
+            self.loras = {a.name: LoRARequest(a.name, i + 1, a.path) for i, a in enumerate(self.stage.loras)}
         t = time.monotonic()
         try:
             engine_args = AsyncEngineArgs(**args)
@@ -276,12 +282,13 @@ class VllmEngine(Engine):
         index = 0
         async for item in request.inputs:
             async for chunk in self.generate_one(item, request.sampling_params, f"{request.request_id}-{index}",
-                                                 owner=request.request_id):
+                                                 owner=request.request_id, lora=request.info.lora):
                 yield chunk
             index += 1
 
     async def generate_one(self, item: Any, params: dict[str, Any], rid: str,
-                           owner: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                           owner: str | None = None, lora: str = "") -> AsyncIterator[dict[str, Any]]:
+        """lora: an adapter name; this stage runs it if it serves it, else its base model."""
         loop = asyncio.get_running_loop()
         ids, text, overrides = await loop.run_in_executor(self._prompts, self.prompt_of, item)
         sp = self.sampling_params({**params, **overrides})
@@ -290,7 +297,8 @@ class VllmEngine(Engine):
         owned.add(vid)
         first = True
         try:
-            async for out in self.engine.generate(self._engine_prompt(ids, text), sp, vid):
+            async for out in self.engine.generate(self._engine_prompt(ids, text), sp, vid,
+                                                  **({"lora_request": self.loras[lora]} if lora in self.loras else {})):
                 for chunk in self._chunks(out, sp, first):
                     yield chunk
                     first = False
@@ -352,10 +360,14 @@ class VllmEngine(Engine):
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("generate: args.prompts must be a non-empty list of inputs")
         params = dict(args.get("sampling_params") or {})
+        lora = args.get("lora") or ""
+        if lora and lora not in self.loras:
+            raise ValueError(f"generate: stage {self.stage.name!r} serves no LoRA adapter {str(lora)[:64]!r} "
+                             f"(it serves: {', '.join(self.loras) or 'none'})")
 
         async def one(i: int, item: Any) -> dict[str, Any]:
             text, ids, prompt_ids = [], [], None
-            async for chunk in self.generate_one(item, params, f"direct-{uuid.uuid4().hex[:8]}-{i}"):
+            async for chunk in self.generate_one(item, params, f"direct-{uuid.uuid4().hex[:8]}-{i}", lora=lora):
                 text.append(chunk["text"])
                 ids += chunk["token_ids"]
                 prompt_ids = chunk.get("prompt_token_ids", prompt_ids)
