@@ -96,6 +96,15 @@ def test_llm_stage_names_a_missing_model_or_variable_before_loading_anything(mon
         expand_model(Stage(name="s", type="llm"))
 
 
+def test_an_llm_stage_names_a_lora_folder_without_an_adapter_before_loading_anything(tmp_path):
+    from omnifleet_runtime.devsetup.tiny_model import ensure_tiny_model
+
+    stage = Stage(name="s", type="llm", model=str(ensure_tiny_model()),
+                  loras=[{"name": "terse", "path": str(tmp_path)}])
+    with pytest.raises(EngineStartError, match=r"stage 's': loras\[0\] \(terse\): no adapter_config.json in "):
+        asyncio.run(make_engine(stage, "p").start())
+
+
 def test_unknown_engine_args_are_named_with_suggestions():
     from omnifleet_runtime.engines.vllm import check_engine_args
 

@@ -143,6 +143,11 @@ class VllmEngine(Engine):
         if self.stage.loras:
             from vllm.lora.request import LoRARequest
 
+            for i, a in enumerate(self.stage.loras):  # vLLM would find out at the first request for it
+                if not os.path.isfile(os.path.join(a.path, "adapter_config.json")):
+                    raise EngineStartError(f"stage {self.stage.name!r}: loras[{i}] ({a.name}): no adapter_config.json "
+                                           f"in {a.path} (a PEFT adapter folder in the pod, e.g. in the model volume)")
+
             args = {"enable_lora": True, "max_loras": len(self.stage.loras), **args}
             self.loras = {a.name: LoRARequest(a.name, i + 1, a.path) for i, a in enumerate(self.stage.loras)}
         t = time.monotonic()
