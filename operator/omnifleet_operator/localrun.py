@@ -126,6 +126,7 @@ def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], P
         if component == C.COMPONENT_MASTER:
             args = _set_arg(_set_arg(args, "--api-port", str(api_port)), "--control-port", str(control_port))
             args = _set_arg(args, "--admin-port", str(ports.admin))
+            args = _set_arg(args, "--drain-linger", "0")  # no Service routes here: nothing to wait for
             replicas = 1
         else:
             args = _set_arg(args, "--master", f"127.0.0.1:{control_port}")  # the masters' Service name

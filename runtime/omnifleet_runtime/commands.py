@@ -84,6 +84,10 @@ def master(argv: list[str]) -> int:
                    help="seconds an accepted request waits for a stage with no replica (default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=C.MASTER_DRAIN_TIMEOUT_S,
                    help="seconds to finish in-flight requests after SIGTERM (default: %(default)s)")
+    p.add_argument("--drain-linger", type=float, default=C.MASTER_DRAIN_LINGER_S,
+                   help="seconds the API keeps answering (503) after SIGTERM, at least, so that requests "
+                        "routed here before the endpoint removal reached every proxy get an answer "
+                        "(default: %(default)s)")
     _add_security_flags(p, C.MAX_CONTROL_FRAME_BYTES)
     p.add_argument("--admin-port", type=int, default=C.MASTER_ADMIN_PORT,
                    help="HTTP port of /v1/stages and control RPCs (default: %(default)s)")
@@ -110,6 +114,7 @@ def master(argv: list[str]) -> int:
         api_key=_secret(args.api_key_file, C.ENV_API_KEY),
         admin_token=_secret(args.admin_token_file, C.ENV_ADMIN_TOKEN),
         heartbeat_interval_s=interval, heartbeat_timeout_s=timeout, drain_timeout_s=args.drain_timeout,
+        drain_linger_s=args.drain_linger,
     )
 
 

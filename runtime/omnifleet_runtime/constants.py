@@ -96,6 +96,10 @@ CONTROL_TIMEOUT_MAX_S = 300.0
 # How long a stage finishes in-flight work after SIGTERM before it aborts it.
 DRAIN_TIMEOUT_S = 30.0
 MASTER_DRAIN_TIMEOUT_S = 20.0  # within the master pod's 30 s termination grace period
+# After SIGTERM the master keeps its API port open (answering 503) at least this long: the Service's
+# endpoint removal reaches every node's proxy only after a while, and a listener closed sooner resets
+# the connections routed to it meanwhile (a request sent and lost instead of a clear error).
+MASTER_DRAIN_LINGER_S = 5.0
 # Exit status of a stage whose protocol version the master refused.
 EXIT_PROTOCOL_MISMATCH = 3
 # A stage whose engine has not loaded in this long gives up and exits (its pod restarts); per stage:

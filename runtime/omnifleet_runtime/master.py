@@ -280,10 +280,11 @@ class Master:
 
     # ------------------------------------------------------------ run
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, linger_s: float = 0.0) -> None:
         """Stop taking requests (/ready and new ones answer 503), let those in flight finish up to
-        timeout_s; the stages keep serving them meanwhile."""
+        timeout_s; the stages keep serving them meanwhile. The API answers (503) for linger_s at least."""
         self.api.draining = True
+        linger_until = time.monotonic() + min(linger_s, timeout_s)
         log.info("SIGTERM: draining %d request(s), up to %.0fs", self.api.inflight, timeout_s)
         deadline = time.monotonic() + timeout_s
         while self.api.inflight and time.monotonic() < deadline:
@@ -298,8 +299,10 @@ class Master:
                 await asyncio.sleep(0.01)
         else:
             log.info("every request finished; exiting")
+        # Connections routed here before the endpoint removal reached every proxy get a 503, not a reset.
+        await asyncio.sleep(max(0.0, linger_until - time.monotonic()))
 
-    async def serve(self, stop: asyncio.Event, drain_timeout_s: float = 0.0) -> None:
+    async def serve(self, stop: asyncio.Event, drain_timeout_s: float = 0.0, drain_linger_s: float = 0.0) -> None:
         ctx = zmq.asyncio.Context()
         self.auth = security.start_authenticator(ctx, self.keys)  # before the bind: no handshake goes unchecked
         self.metrics.auth_refused = lambda: self.auth.refused
@@ -323,7 +326,7 @@ class Master:
                  asyncio.create_task(self._disconnect_loop(monitor))]
         try:
             await stop.wait()
-            await self.drain(drain_timeout_s)
+            await self.drain(drain_timeout_s, drain_linger_s)
         finally:
             for t in tasks:
                 t.cancel()
@@ -372,13 +375,14 @@ def _log_send_error(fut: asyncio.Future) -> None:
         log.warning("send failed: %s", fut.exception())
 
 
-def run_master(doc: OmniPipeline, drain_timeout_s: float = C.MASTER_DRAIN_TIMEOUT_S, **kwargs) -> int:
+def run_master(doc: OmniPipeline, drain_timeout_s: float = C.MASTER_DRAIN_TIMEOUT_S,
+               drain_linger_s: float = C.MASTER_DRAIN_LINGER_S, **kwargs) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await Master(doc, **kwargs).serve(stop, drain_timeout_s)
+        await Master(doc, **kwargs).serve(stop, drain_timeout_s, drain_linger_s)
 
     asyncio.run(main())
     return 0

@@ -326,6 +326,23 @@ def test_sigterm_to_the_master_drains_its_requests_and_exits_zero(make_fleet):
     assert "every request finished; exiting" in master.output()
 
 
+def test_an_idle_master_keeps_answering_503_after_sigterm_for_its_linger(make_fleet):
+    """Nothing in flight: the master still answers (503) for --drain-linger, so requests that the Service
+    routed to it before its endpoint was removed get a clear error instead of a reset connection."""
+    fleet = make_fleet(pipeline(stage("a", "upper", finalOutput="text")))
+    master = fleet.start_master("--drain-linger", "3")
+    fleet.start_pod("pod-a", "a")
+    fleet.wait_ready()
+    master.popen.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    wait_until(lambda: fleet.get("/ready")[0] == 503, "/ready to turn 503")
+    status, body = fleet.http("POST", "/v1/completions", {"model": "test", "prompt": "late"})
+    assert status == 503 and "the master is shutting down" in body["error"]["message"]
+    assert master.alive() and time.monotonic() - signalled < 3
+    assert master.popen.wait(timeout=30) == 0
+    assert time.monotonic() - signalled >= 3
+
+
 def test_a_draining_master_ends_what_outlives_its_deadline_and_exits_zero(make_fleet):
     fleet = make_fleet(pipeline(stage("a", "gated_entry", finalOutput="text")))
     master = fleet.start_master("--drain-timeout", "1")
