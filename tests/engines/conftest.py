@@ -18,6 +18,39 @@ sys.path.insert(0, str(HERE))  # enginefns.py
 HEARTBEAT = {"intervalSeconds": 0.5, "timeoutSeconds": 20}
 
 
+def media() -> tuple[list, dict]:
+    """A question with an image and a second of audio: the OpenAI content parts a client sends (PNG, WAV) and
+    the same parts as the master decodes them (RGB pixels, float32 samples; raw bytes as base64 in `data`),
+    which the oracle and the probe take."""
+    import base64
+    import io
+    import math
+
+    import numpy as np
+    import soundfile
+    from PIL import Image
+
+    y, x, c = np.mgrid[0:56, 0:56, 0:3]
+    pixels = ((x * 4 + y * 2 + c * 60) % 256).astype(np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(png, format="PNG")
+    tone = (0.3 * np.sin(2 * math.pi * 440 * np.arange(16000) / 16000) * 32767).astype(np.int16)
+    wav = io.BytesIO()
+    soundfile.write(wav, tone, 16000, format="WAV", subtype="PCM_16")
+    samples, rate = soundfile.read(io.BytesIO(wav.getvalue()), dtype="float32")  # what the master decodes
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    sent = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(png.getvalue())}},
+        {"type": "input_audio", "input_audio": {"data": b64(wav.getvalue()), "format": "wav"}},
+        {"type": "text", "text": "what is this?"}]}]
+    decoded = [{"role": "user", "content": [
+        {"type": "image", "image": {"dtype": "uint8", "shape": [56, 56, 3], "data": b64(pixels.tobytes())}},
+        {"type": "audio", "audio": {"dtype": "float32", "shape": [len(samples)], "data": b64(samples.tobytes())},
+         "sample_rate": rate},
+        {"type": "text", "text": "what is this?"}]}]
+    return sent, decoded
+
+
 def report(config: pytest.Config, tag: str, msg: str) -> None:
     """Measurements are shown even without -s (capture is suspended for the print)."""
     with config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():

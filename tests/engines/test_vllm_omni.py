@@ -34,7 +34,7 @@ from fleet_harness import Fleet, pipeline  # noqa: E402
 from omnifleet_runtime.devsetup import vllm_omni_env  # noqa: E402
 
 from ..conftest import time_limit  # noqa: E402
-from .conftest import HEARTBEAT, HERE, report  # noqa: E402
+from .conftest import HEARTBEAT, HERE, media, report  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 # The module fixtures (environment, model, oracle, fleet) run inside the first test. vLLM-Omni serializes
@@ -97,7 +97,8 @@ def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
               "stages": [{"stage_id": s["stageId"], "devices": "0", **s["engine"], "default_sampling_params": s["sampling"]}
                          for s in STAGES]}
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
-    (tmp / "request.json").write_text(json.dumps({"messages": MESSAGES,
+    # In the fleet's order: its first request is the text one, its second the one with media.
+    (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, media()[1]],
                                                   "sampling_params": [s["sampling"] for s in STAGES]}))
     t = time.monotonic()
     with open(tmp / "oracle.log", "wb") as logf:
@@ -117,11 +118,12 @@ def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
     log = (tmp / "oracle.log").read_text(errors="replace")
     assert proc.returncode == 0 and (tmp / "result.json").exists(), log[-6000:]
     result = json.loads((tmp / "result.json").read_text())
-    result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
-    result["thinker_hidden"] = array("f", (tmp / "thinker_hidden.f32").read_bytes())
+    for i, one in enumerate(result["requests"]):
+        one["audio"] = array("f", (tmp / f"audio.{i}.f32").read_bytes())
+        one["thinker_hidden"] = array("f", (tmp / f"thinker_hidden.{i}.f32").read_bytes())
     report(request.config, "vllm-omni", f"oracle (vLLM-Omni's Omni, 3 stages in one process): engine start "
            f"{result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
-    return result
+    return result["requests"]
 
 
 def doc(model: str) -> dict:
@@ -179,9 +181,10 @@ def pcm16(samples) -> array:
 
 
 def test_thinker_stage_puts_its_hidden_states_on_the_wire(omni_python, tiny_omni, oracle, tmp_path, request):
-    """What the talker is made of: the thinker stage's output carries its hidden states as a wire array."""
+    """What the talker is made of: the thinker stage's output carries its hidden states as a wire array, for a
+    text prompt and for one with an image and audio (which the stage hands its engine as multimodal data)."""
     (tmp_path / "pipeline.json").write_text(json.dumps(doc(tiny_omni)))
-    (tmp_path / "request.json").write_text(json.dumps({"messages": MESSAGES}))
+    (tmp_path / "request.json").write_text(json.dumps({"prompts": [MESSAGES, media()[1]]}))
     t = time.monotonic()
     with open(tmp_path / "probe.log", "wb") as logf:
         proc = subprocess.Popen([omni_python, str(HERE / "vllm_omni_stage_probe.py"), str(tmp_path / "pipeline.json"),
@@ -197,20 +200,29 @@ def test_thinker_stage_puts_its_hidden_states_on_the_wire(omni_python, tiny_omni
                 pass
             proc.wait()
     log = (tmp_path / "probe.log").read_text(errors="replace")
-    assert proc.returncode == 0 and (tmp_path / "chunk.json").exists(), log[-6000:]
-    chunk = json.loads((tmp_path / "chunk.json").read_text())
-    assert chunk["token_ids"] == oracle["thinker_token_ids"]
-    hidden = chunk["extra"].get("hidden")
-    assert hidden is not None, f"no hidden states on the wire (extra: {chunk['extra']})"
-    rows = len(chunk["prompt_token_ids"]) + len(chunk["token_ids"]) - 1  # the last token is never forwarded
-    assert hidden["dtype"] == "float32" and hidden["shape"] == [rows, 128], hidden
-    assert hidden["shape"] == oracle["thinker_hidden_shape"]
-    got = array("f", (tmp_path / "extra.hidden.bin").read_bytes())
-    want = oracle["thinker_hidden"]
-    worst = max(abs(a - b) for a, b in zip(got, want))
-    assert len(got) == len(want) and worst <= 1e-4, f"hidden states differ from the oracle's by up to {worst}"
-    report(request.config, "vllm-omni", f"thinker stage alone: hidden states {hidden['shape']} on the wire "
-           f"(largest difference from vLLM-Omni's own engine: {worst:.2e}; {time.monotonic() - t:.1f}s)")
+    assert proc.returncode == 0 and (tmp_path / "chunk.1.json").exists(), log[-6000:]
+    for i, want in enumerate(oracle):
+        chunk = json.loads((tmp_path / f"chunk.{i}.json").read_text())
+        assert chunk["token_ids"] == want["thinker_token_ids"]
+        # The prompt as the engine ran it: with media, each placeholder expanded to the media's length.
+        assert chunk["prompt_token_ids"] == want["thinker_prompt_token_ids"]
+        hidden = chunk["extra"].get("hidden")
+        assert hidden is not None, f"no hidden states on the wire (extra: {chunk['extra']})"
+        rows = len(chunk["prompt_token_ids"]) + len(chunk["token_ids"]) - 1  # the last token is never forwarded
+        assert hidden["dtype"] == "float32" and hidden["shape"] == [rows, 128], hidden
+        assert hidden["shape"] == want["thinker_hidden_shape"]
+        got = array("f", (tmp_path / f"extra.{i}.hidden.bin").read_bytes())
+        worst = max(abs(a - b) for a, b in zip(got, want["thinker_hidden"]))
+        assert len(got) == len(want["thinker_hidden"]) and worst <= 1e-4, \
+            f"request {i}: hidden states differ from the oracle's by up to {worst}"
+        report(request.config, "vllm-omni", f"thinker stage alone, {'text' if i == 0 else 'image + audio + text'}: "
+               f"hidden states {hidden['shape']} on the wire (largest difference from vLLM-Omni's own engine: "
+               f"{worst:.2e})")
+    media_prompt, text_prompt = oracle[1]["thinker_prompt_token_ids"], oracle[0]["thinker_prompt_token_ids"]
+    assert len(media_prompt) > len(oracle[1]["prompt_token_ids"]) + 10, "the media were not expanded into the prompt"
+    report(request.config, "vllm-omni", f"thinker stage alone: {time.monotonic() - t:.1f}s; the image and audio "
+           f"took {len(media_prompt) - len(oracle[1]['prompt_token_ids'])} prompt tokens beyond their placeholders "
+           f"(text prompt: {len(text_prompt)} tokens)")
 
 
 def test_thinker_and_audio_through_omnifleet_match_vllm_omnis_own_engine(fleet, oracle, request):
@@ -220,18 +232,18 @@ def test_thinker_and_audio_through_omnifleet_match_vllm_omnis_own_engine(fleet, 
     choice's `omni` field)."""
     t = time.monotonic()
     status, body = fleet.http("POST", "/v1/completions", {
-        "model": "qwen-omni", "prompt": oracle["prompt_token_ids"], "return_token_ids": True,
+        "model": "qwen-omni", "prompt": oracle[0]["prompt_token_ids"], "return_token_ids": True,
         "modalities": ["text", "audio"]})
     took = time.monotonic() - t
     assert status == 200, body
     choice = body["choices"][0]
-    assert oracle["thinker_token_ids"], oracle
-    assert choice["token_ids"] == oracle["thinker_token_ids"]
+    assert oracle[0]["thinker_token_ids"], oracle[0]
+    assert choice["token_ids"] == oracle[0]["thinker_token_ids"]
     [chunk] = [o["data"] for o in choice.get("omni", []) if o["type"] == "audio"]
     assert chunk["audio"]["dtype"] == "float32", chunk["audio"]
     got = array("f", base64.b64decode(chunk["audio"]["data"]))
-    want = oracle["audio"]
-    assert oracle["audio_samples"] > 0 and len(got) == len(want) == oracle["audio_samples"], (len(got), len(want))
+    want = oracle[0]["audio"]
+    assert oracle[0]["audio_samples"] > 0 and len(got) == len(want) == oracle[0]["audio_samples"], (len(got), len(want))
     peak = max(abs(x) for x in want)
     assert peak > 0, "the oracle's audio is all zeros"
     worst = max(abs(a - b) for a, b in zip(got, want))
@@ -243,6 +255,30 @@ def test_thinker_and_audio_through_omnifleet_match_vllm_omnis_own_engine(fleet, 
     report(request.config, "vllm-omni", f"request through omnifleet (3 stage pods): {took:.2f}s; thinker tokens "
            f"{choice['token_ids']} and {len(got)} float32 samples of audio (peak {peak:.3g}; largest difference "
            f"from vLLM-Omni's own engine: {worst:.3g})")
+
+
+def test_image_and_audio_in_text_and_audio_out_match_vllm_omnis_own_engine(fleet, oracle, request):
+    """Hear and see, then speak: the fleet's second request, a chat message with a PNG, a WAV and a question,
+    decoded by the master and handed to the thinker's engine as multimodal data. Its thinker tokens, prompt
+    length and audio length match vLLM-Omni's own engine's."""
+    want = oracle[1]
+    t = time.monotonic()
+    status, body = fleet.http("POST", "/v1/chat/completions", {
+        "model": "qwen-omni", "messages": media()[0], "return_token_ids": True,
+        "modalities": ["text", "audio"], "audio": {"format": "pcm16"}})
+    took = time.monotonic() - t
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == want["thinker_token_ids"]
+    # The thinker's prompt as its engine ran it, media expanded: what `usage` reports for the entry stage.
+    assert body["usage"]["prompt_tokens"] == len(want["thinker_prompt_token_ids"]), body["usage"]
+    # A chat answer carries 16-bit audio, and this tiny model's is far below one 16-bit step (the first
+    # request's test compares float samples): here its length, which the talker's codes decide.
+    got = array("h", base64.b64decode(choice["message"]["audio"]["data"]))
+    assert want["audio_samples"] > 0 and len(got) == want["audio_samples"], (len(got), want["audio_samples"])
+    report(request.config, "vllm-omni", f"image + audio + text in, text and audio out through omnifleet: "
+           f"{took:.2f}s; prompt {body['usage']['prompt_tokens']} tokens, thinker tokens {choice['token_ids']} and "
+           f"{len(got)} samples of audio, as vLLM-Omni's own engine's")
 
 
 def test_same_request_twice_gives_the_same_tokens(fleet):

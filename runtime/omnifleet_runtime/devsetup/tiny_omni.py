@@ -2,9 +2,11 @@
 
     <vllm-omni env python> -m omnifleet_runtime.devsetup.tiny_omni [--print-path]
 
-Run with the python of vLLM-Omni's environment (devsetup.vllm_omni_env): the
-checkpoint is written by the transformers that vLLM-Omni pins, so its config
-reads back exactly. Location: ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/models/
+Run with the python that will load it: vLLM-Omni's environment
+(devsetup.vllm_omni_env) for the vllm-omni tests, the main one for stock
+vLLM's thinker (test_llm_media); the checkpoint is written by that
+environment's transformers, so its config reads back exactly. Its multimodal
+processor is saved when torchvision loads there (both environments have it). Location: ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/models/
 tiny-qwen2.5-omni-<key>/, <key> hashing the recipe below and the transformers
 version; complete when its stamp exists (built in a temporary folder, renamed
 into place).
@@ -39,6 +41,16 @@ SPECIALS = {
     "<|quad_end|>": 151651, "<|vision_bos|>": 151652, "<|vision_eos|>": 151653, "<|vision_pad|>": 151654,
     "<|IMAGE|>": 151655, "<|VIDEO|>": 151656,
 }
+# Qwen2.5-Omni's own template, less its default system prompt: an image or audio content part renders as
+# its placeholder between its bos/eos tokens (vLLM's processor expands the placeholder to the media's length).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif c['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 RECIPE = {
     "seed": SEED,
     "text": dict(vocab_size=151936, hidden_size=H, intermediate_size=256, num_hidden_layers=1,
@@ -63,12 +75,8 @@ RECIPE = {
     "bigvgan": dict(mel_dim=80, upsample_initial_channel=64),
     "speakers": ["Chelsie", "Ethan"],
     "specials": SPECIALS,
+    "chat_template": CHAT_TEMPLATE,
 }
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if m['content'] is string else '' }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 _t0 = time.monotonic()
 
 
@@ -85,6 +93,8 @@ def model_dir() -> Path:
 
 
 def build(out: Path) -> None:
+    import importlib.util
+
     import torch
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import (PreTrainedTokenizerFast, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration,
@@ -117,10 +127,7 @@ def build(out: Path) -> None:
     model = Qwen2_5OmniForConditionalGeneration(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     fast.save_pretrained(out)
-    # The multimodal processor (image/audio input) needs torchvision, which this environment leaves out
-    # (PyPI's build does not load beside its torch): text-only checkpoints then.
-    import importlib.util
-
+    # The multimodal processor (image/audio input) needs torchvision: text-only checkpoints without it.
     if importlib.util.find_spec("torchvision") is not None:
         Qwen2_5OmniProcessor(image_processor=Qwen2VLImageProcessor(), video_processor=Qwen2VLVideoProcessor(),
                              feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=fast,
@@ -137,8 +144,12 @@ def build(out: Path) -> None:
 
 def ensure() -> Path:
     """The checkpoint's directory, built if missing."""
+    import importlib.util
+
     final = model_dir()
-    if (final / STAMP).exists():
+    # A copy built where torchvision was missing lacks the processor: build it again where it is not.
+    if (final / STAMP).exists() and ((final / "processor_config.json").exists()
+                                     or importlib.util.find_spec("torchvision") is None):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))

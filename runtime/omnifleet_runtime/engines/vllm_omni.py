@@ -27,7 +27,8 @@ One stage of a vLLM-Omni pipeline becomes one engine:
   keeps the per-step payload (the thinker's hidden states) on the output.
 
 Inputs of the entry stage: a string (text prompt), a list of ints (token ids),
-chat messages (the model's chat template is applied), or a dict with one of
+chat messages (the model's chat template is applied; image and audio parts, as
+the master decodes them, go to the engine as vLLM's `multi_modal_data`), or a dict with one of
 `prompt`, `prompt_token_ids`, `messages`. A downstream stage takes its upstream
 stage's output chunks (`inputMode: whole`).
 
@@ -38,7 +39,7 @@ every generated token's but the last); a stage whose final output is audio also
 carries `audio` (float32 samples) and `sample_rate`.
 
 Not yet: `async_chunk` streaming (refused at start), fan-in from several
-upstream stages (refused at start), CFG companions.
+upstream stages (refused at start), CFG companions, video input.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from .. import constants as C
 from ..schema import Stage
 from ..wire import Array
 from .base import BadInput, Engine, EngineRequest, EngineStartError
+from .mm import split_media
 from .tensors import is_tensor_like, to_tensor, to_wire
 from .vllm import expand_model
 
@@ -253,14 +255,14 @@ class VllmOmniEngine(Engine):
         if isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
             return {"prompt_token_ids": list(item)}
         if isinstance(item, list) and all(isinstance(m, dict) and "role" in m for m in item):
-            return {"prompt_token_ids": self._chat(item)}
+            return self._chat(item)
         if isinstance(item, dict):
             if isinstance(item.get("prompt_token_ids"), list):
                 return {"prompt_token_ids": [int(t) for t in item["prompt_token_ids"]]}
             if isinstance(item.get("prompt"), str):
                 return {"prompt_token_ids": self._encode(item["prompt"])}
             if isinstance(item.get("messages"), list):
-                return {"prompt_token_ids": self._chat(item["messages"])}
+                return self._chat(item["messages"])
         raise BadInput(f"stage {self.stage.name!r}: input must be a prompt string, token ids, chat messages or a "
                        f"dict with prompt, prompt_token_ids or messages; got {type(item).__name__}")
 
@@ -275,13 +277,16 @@ class VllmOmniEngine(Engine):
     def _encode(self, text: str) -> list[int]:
         return list(self._tok().encode(text))
 
-    def _chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        for m in messages:
-            if not isinstance(m.get("content"), (str, type(None))):
-                raise BadInput(f"stage {self.stage.name!r}: only text message content is supported here")
-        ids = self._tok().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def _chat(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """Chat messages -> token ids through the model's chat template; their media as multi_modal_data."""
+        rendered, mm = split_media(messages, self.stage.name)
+        ids = self._tok().apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
         # transformers 5 returns a BatchEncoding (a mapping, not a dict) here.
-        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+        prompt: dict[str, Any] = {"prompt_token_ids": [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys")
+                                                                        else ids)]}
+        if mm is not None:
+            prompt["multi_modal_data"] = mm
+        return prompt
 
     def downstream_prompt(self, item: Any, rid: str) -> dict[str, Any]:
         """The upstream stage's output chunks -> this stage's prompt, through vLLM-Omni's own processors."""

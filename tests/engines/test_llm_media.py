@@ -1,0 +1,136 @@
+"""Image and audio input to an `llm` stage: stock vLLM running the tiny Qwen2.5-Omni's thinker.
+
+The model is the tiny seeded Qwen2.5-Omni of the vllm-omni tests (devsetup.tiny_omni, built here with
+this environment's transformers, its multimodal processor included); stock vLLM runs its thinker (vLLM's
+registry has Qwen2.5-Omni's thinker, not its talker or code2wav). One `llm` stage, allowed an image and
+an audio per prompt, behind the master. A chat message with a PNG, a WAV and a question goes through the
+master, which decodes the media once; the stage renders the model's chat template and hands the pixels
+and samples to its engine as vLLM's multimodal data.
+
+The oracle is vLLM's own `LLM.chat` on the same checkpoint and engine settings, in a process of its own,
+given the message as the client sent it (vLLM decodes the PNG and the WAV itself,
+llm_media_oracle.py). Greedy: the tokens through omnifleet must equal the oracle's, and the prompt the
+engine ran (usage.prompt_tokens) must be the oracle's, placeholders expanded to the media's length.
+What the tokens prove is limited: this tiny random thinker, run by stock vLLM, answers one repeated token
+(198) whatever the penalty; the prompt length and the vllm-omni tests' hidden states (equal to vLLM-Omni's
+for the same media) are the sharper checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet_harness import Fleet, pipeline  # noqa: E402
+
+from ..conftest import time_limit  # noqa: E402
+from .conftest import HEARTBEAT, HERE, media, report  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+TEST_TIMEOUT_S = 900
+
+ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 1, "enforce_eager": True,
+          "enable_prefix_caching": False, "limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 0},
+          "seed": 0}
+SAMPLING = {"max_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.1}  # vLLM-Omni's thinker settings
+
+
+@pytest.fixture(autouse=True)
+def overall_timeout():
+    with time_limit(TEST_TIMEOUT_S):
+        yield
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_omni() -> str:
+    proc = subprocess.run([sys.executable, "-m", "omnifleet_runtime.devsetup.tiny_omni", "--print-path"],
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = proc.stdout.strip().splitlines()[-1]
+    # Without its multimodal processor the checkpoint takes text only (tiny_omni saves it when torchvision loads).
+    assert (Path(path) / "processor_config.json").exists(), f"{path} has no multimodal processor: {proc.stderr[-2000:]}"
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_omni, tmp_path_factory, request) -> dict:
+    tmp = tmp_path_factory.mktemp("llm-media-oracle")
+    (tmp / "request.json").write_text(json.dumps({"engine": ENGINE, "messages": media()[0],
+                                                  "sampling_params": SAMPLING}))
+    t = time.monotonic()
+    with open(tmp / "oracle.log", "wb") as logf:
+        proc = subprocess.Popen([sys.executable, str(HERE / "llm_media_oracle.py"), tiny_omni,
+                                 str(tmp / "request.json"), str(tmp / "out.json")],
+                                stdout=logf, stderr=subprocess.STDOUT, env=_env(), cwd=tmp, start_new_session=True)
+        try:
+            proc.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the engine's processes go with it
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    assert proc.returncode == 0 and (tmp / "out.json").exists(), \
+        (tmp / "oracle.log").read_text(errors="replace")[-6000:]
+    report(request.config, "llm-media", f"oracle (vLLM's LLM.chat): {time.monotonic() - t:.1f}s")
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_omni, oracle, tmp_path_factory):
+    d = pipeline({"name": "thinker", "type": "llm", "gpus": 0, "model": tiny_omni, "engineArgs": ENGINE,
+                  "samplingParams": SAMPLING, "finalOutput": "text"}, name="omni-thinker")
+    d["spec"]["heartbeat"] = HEARTBEAT
+    f = Fleet(tmp_path_factory.mktemp("llm-media"), d)
+    f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    try:
+        f.start_master()
+        f.start_pod("thinker-0", "thinker")
+        f.wait_ready(timeout=600)
+        yield f
+    except BaseException:
+        print(f.logs()[-20000:])
+        raise
+    finally:
+        f.stop()
+
+
+def test_image_and_audio_reach_the_thinker_as_vllm_takes_them(fleet, oracle, request):
+    t = time.monotonic()
+    status, body = fleet.http("POST", "/v1/chat/completions", {
+        "model": "omni-thinker", "messages": media()[0], "return_token_ids": True})
+    took = time.monotonic() - t
+    assert status == 200, body
+    assert oracle["token_ids"], oracle
+    assert body["choices"][0]["token_ids"] == oracle["token_ids"]
+    assert body["usage"]["prompt_tokens"] == len(oracle["prompt_token_ids"]), (body["usage"], oracle)
+    # The media took their expanded length in the prompt (the image 4 tokens, the second of audio 25).
+    status, plain = fleet.http("POST", "/v1/chat/completions", {
+        "model": "omni-thinker", "messages": [{"role": "user", "content": "what is this?"}]})
+    assert status == 200, plain
+    grown = body["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"]
+    assert grown > 6 + 20, f"the media added only {grown} prompt tokens"
+    report(request.config, "llm-media", f"PNG + WAV + text through omnifleet to stock vLLM: {took:.2f}s; prompt "
+           f"{body['usage']['prompt_tokens']} tokens ({grown} for the media), tokens {oracle['token_ids']} as "
+           f"vLLM's own LLM.chat")
+
+
+def test_a_part_the_stage_cannot_take_is_a_clear_400(fleet):
+    """Two images to an engine allowed one per prompt: vLLM refuses the prompt, and the client gets that as
+    its own fault (400 naming the images), not as the stage's failure."""
+    sent = media()[0]
+    sent[0]["content"] = [sent[0]["content"][0], sent[0]["content"][0]]  # two images; the engine allows one
+    status, body = fleet.http("POST", "/v1/chat/completions", {"model": "omni-thinker", "messages": sent})
+    assert status == 400, (status, body)
+    assert "image" in body["error"]["message"], body
