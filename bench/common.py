@@ -383,14 +383,25 @@ class Fleet:
         self.procs[pod] = Proc(pod, args, {**self.env, "OMNIFLEET_POD_NAME": pod}, self.dir / f"{pod}.log")
 
     def get(self, path: str) -> tuple[int, Any]:
+        return self.request("GET", path, None, timeout=10)
+
+    def post(self, path: str, body: Any, timeout: float = 300.0) -> tuple[int, Any]:
+        return self.request("POST", path, body, timeout)
+
+    def request(self, method: str, path: str, body: Any, timeout: float) -> tuple[int, Any]:
+        """One HTTP call; the admin endpoints (/v1/stages...) go to the admin port with the admin token."""
         import urllib.error
         import urllib.request
 
-        admin = path.startswith("/v1/stages")  # the admin port's endpoints
+        admin = path.startswith("/v1/stages")
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if admin else {}
+        data = None
+        if body is not None:
+            data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
         req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port if admin else self.api_port}{path}",
-                                     headers={"Authorization": f"Bearer {self.admin_token}"} if admin else {})
+                                     data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw, status = r.read(), r.status
         except urllib.error.HTTPError as e:
             raw, status = e.read(), e.code

@@ -18,6 +18,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "gpu_boundary": ("runtime/omnifleet_runtime", "bench/gpu_boundary.py", "bench/torch_stages.py"),
     "wire_security": ("runtime/omnifleet_runtime", "bench/wire_security.py", "bench/data_plane.py"),
     "vllm_pipeline": ("runtime/omnifleet_runtime", "bench/vllm_pipeline.py", "bench/wrapper.py"),
+    "speech_ttfa": ("runtime/omnifleet_runtime", "bench/speech_ttfa.py", "bench/vllm_pipeline.py", "bench/fns.py",
+                    "bench/raw.py", "bench/wrapper.py"),
     "chaos": ("runtime/omnifleet_runtime", "operator/omnifleet_operator", "manifests", "tests/realnode/chaos.py",
               "tests/realnode/test_chaos.py", "bench/chaos.py"),
 }

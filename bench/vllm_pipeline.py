@@ -32,8 +32,6 @@ import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +51,8 @@ def stages(model: str) -> list[dict[str, Any]]:
     ]
 
 
-def post(fleet: C.Fleet, path: str, body: dict, timeout: float = 300.0) -> tuple[int, Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{fleet.api_port}{path}", data=json.dumps(body).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
 def control(fleet: C.Fleet, stage: str, method: str, args: dict) -> dict:
-    status, body = post(fleet, f"/v1/stages/{stage}/control", {"method": method, "args": args, "timeout": 300})
+    status, body = fleet.post(f"/v1/stages/{stage}/control", {"method": method, "args": args, "timeout": 300})
     if status != 200:
         raise RuntimeError(f"control {method} on {stage}: HTTP {status}: {body}")
     (answer,) = body["replicas"].values()
@@ -131,7 +119,7 @@ class Workload:
         results: list[Any] = [None] * self.n
 
         def call(i: int) -> None:
-            results[i] = post(fleet, "/v1/chat/completions", self.body(self.prompts[i]))
+            results[i] = fleet.post("/v1/chat/completions", self.body(self.prompts[i]))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(self.n)]
         t = time.perf_counter()
