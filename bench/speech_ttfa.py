@@ -20,7 +20,8 @@ another per side:
 - hop: raw ZMQ round trips of 64 bytes (DEALER -> ROUTER echo, `bench.raw`), as many.
 
 Ratio per round = median time to first audio / (median time to first token + median raw round
-trip). Each side records the cores the rest of the machine took meanwhile ("outside load");
+trip). The same again with one thinker token per request (the engine idle once it has made it):
+what the pipeline's path costs without the engine decoding the rest on the same cores. Each side records the cores the rest of the machine took meanwhile ("outside load");
 headline: the median over the rounds in which neither side saw more than OUTSIDE_LOAD_MAX
 cores (all rounds when none is clean, and the report says so); every round is kept. Results:
 bench/results/<date>-speech-ttfa.{md,json} and latest.json["speech_ttfa"].
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = str(ensure_tiny_model())
     params = {"temperature": 0.0, "max_tokens": args.tokens, "ignore_eos": True}
+    one = {**params, "max_tokens": 1}
     rounds: list[dict[str, Any]] = []
     port = C.free_port()
     with C.Fleet("ttfa", stages(model), env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as fleet, \
@@ -119,14 +121,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         if any(ids != got[0][1] for _, ids in got) or len(got[0][1]) != args.tokens:
                             raise RuntimeError(f"round {rnd}: the thinker's tokens vary or fall short: {got}")
                 r[f"outside_load_cores_{side}"] = load.cores
+            # One token: the same path with the engine idle after its first token.
+            r["ttfa_1_token_s"] = [round(speech(fleet, one)[0], 5) for _ in range(args.requests)]
+            r["ttft_1_token_s"] = [round(upstream(fleet, one)[0], 5) for _ in range(args.requests)]
             r["raw_rtt_s"] = [round(x, 6) for x in zmq_rtt(port, 64, args.requests, 5, 30.0)]
             r["ttfa_p50_ms"] = round(C.pct(r["ttfa_s"], 50) * 1e3, 2)
             r["ttft_p50_ms"] = round(C.pct(r["ttft_s"], 50) * 1e3, 2)
             r["raw_rtt_p50_ms"] = round(C.pct(r["raw_rtt_s"], 50) * 1e3, 3)
             r["ratio"] = round(r["ttfa_p50_ms"] / (r["ttft_p50_ms"] + r["raw_rtt_p50_ms"]), 3)
+            r["ratio_1_token"] = round(C.pct(r["ttfa_1_token_s"], 50) * 1e3 / (C.pct(r["ttft_1_token_s"], 50) * 1e3
+                                                                               + r["raw_rtt_p50_ms"]), 3)
             r["clean"] = max(r["outside_load_cores_pipeline"], r["outside_load_cores_upstream"]) <= OUTSIDE_LOAD_MAX
             C.log(f"round {rnd}: time to first audio {r['ttfa_p50_ms']} ms, upstream time to first token "
-                  f"{r['ttft_p50_ms']} ms + hop {r['raw_rtt_p50_ms']} ms: {r['ratio']}x ({r['order']}; outside "
+                  f"{r['ttft_p50_ms']} ms + hop {r['raw_rtt_p50_ms']} ms: {r['ratio']}x; one token: "
+                  f"{r['ratio_1_token']}x ({r['order']}; outside "
                   f"load {r['outside_load_cores_pipeline']}/{r['outside_load_cores_upstream']} cores)")
             rounds.append(r)
     return {"model": model, "engine_args": ENGINE, "prompt": PROMPT, "tokens": args.tokens,
@@ -143,6 +151,8 @@ def headline(res: dict[str, Any]) -> dict[str, Any]:
         "ttfa_over_upstream_ttft_plus_hop": round(C.pct([r["ratio"] for r in rs], 50), 3),
         "ttfa_over_upstream_ttft_plus_hop_rounds": [r["ratio"] for r in everyone],
         "ttfa_over_upstream_ttft_plus_hop_all_rounds_median": round(C.pct([r["ratio"] for r in everyone], 50), 3),
+        "ttfa_over_upstream_ttft_plus_hop_1_token": round(C.pct([r["ratio_1_token"] for r in rs], 50), 3),
+        "ttfa_over_upstream_ttft_plus_hop_1_token_rounds": [r["ratio_1_token"] for r in everyone],
         "ttfa_p50_ms": round(C.pct([r["ttfa_p50_ms"] for r in rs], 50), 2),
         "upstream_ttft_p50_ms": round(C.pct([r["ttft_p50_ms"] for r in rs], 50), 2),
         "raw_rtt_p50_ms": round(C.pct([r["raw_rtt_p50_ms"] for r in rs], 50), 3),
@@ -153,7 +163,7 @@ def headline(res: dict[str, Any]) -> dict[str, Any]:
 def report(res: dict[str, Any], h: dict[str, Any], facts: dict[str, Any]) -> str:
     goal = goals.by_key("speech_ttfa", "ttfa_over_upstream_ttft_plus_hop")
     rows = [[r["round"], r["order"], r["ttfa_p50_ms"], r["ttft_p50_ms"], r["raw_rtt_p50_ms"], f"{r['ratio']:.3f}",
-             f"{r['outside_load_cores_pipeline']} / {r['outside_load_cores_upstream']}",
+             f"{r['ratio_1_token']:.3f}", f"{r['outside_load_cores_pipeline']} / {r['outside_load_cores_upstream']}",
              "yes" if r["clean"] else "no"] for r in res["rounds"]]
     return "\n".join([
         "# Time to first audio of a streaming speech pipeline", "",
@@ -164,9 +174,11 @@ def report(res: dict[str, Any], h: dict[str, Any], facts: dict[str, Any]) -> str
         f"{h['rounds']} rounds {h['ttfa_over_upstream_ttft_plus_hop_all_rounds_median']:.3f}x; goal {goal.text()}: "
         f"{goal.verdict(h['ttfa_over_upstream_ttft_plus_hop'])}): time to first audio {h['ttfa_p50_ms']} ms, the "
         f"thinker engine's own time to first token {h['upstream_ttft_p50_ms']} ms, a raw ZMQ round trip "
-        f"{h['raw_rtt_p50_ms']} ms.", "",
+        f"{h['raw_rtt_p50_ms']} ms. With one thinker token per request (the engine idle after it): "
+        f"{h['ttfa_over_upstream_ttft_plus_hop_1_token']:.3f}x.", "",
         C.md_table(["round", "order", "time to first audio p50, ms", "upstream time to first token p50, ms",
-                    "raw ZMQ round trip p50, ms", "ratio", "outside load, cores (pipeline / upstream)", "clean"],
+                    "raw ZMQ round trip p50, ms", "ratio", "ratio, one token", "outside load, cores (pipeline / upstream)",
+                    "clean"],
                    rows), "",
         C.facts_table(facts), "",
     ])
