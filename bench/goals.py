@@ -99,9 +99,9 @@ GOALS: tuple[Goal, ...] = (
          "unencrypted data plane on one connection (the report's last column)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
-         why_missed="the pipeline's processes (master, two stage loops, the thinker's streamed chunks crossing to "
-         "the talker at the runtime's per-hop cost) share the two cores with both engines, which the direct side "
-         "has to themselves; the report's rounds, all clean of outside load, read 0.74-0.93x"),
+         why_missed="not profiled yet; the report's rounds, all clean of outside load, read 0.74-0.93x. Suspected, "
+         "not measured: on the pipeline side the master and both stage loops (the thinker's streamed chunks "
+         "crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
          ("ttfa_over_upstream_ttft_plus_hop",), "<=", 1.5,
          why_missed="the pipeline's own path (HTTP in, the master's dispatch, the thinker's first chunk to the "
