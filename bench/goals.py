@@ -84,18 +84,18 @@ GOALS: tuple[Goal, ...] = (
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.3-1.7 ms in the "
-         "same report's co-located column, at every size) is paid on top of a raw handoff of 0.68 ms at 16 MiB; "
-         "from 64 MiB, where the full read costs more, it meets (0.77-1.57x)"),
+         "same report's co-located column, at every size) is paid on top of a raw handoff of 0.6-0.7 ms at "
+         "16 MiB, so that size sits near the limit (1.92-2.02x in the last two runs); from 64 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.3-1.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most; from 64 MiB the split data path "
-         "(8 streams) outruns the raw one-frame link (2.65-3.04x)"),
+         "(8 streams) outruns the raw one-frame link (2.28-3.19x)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
-         "unencrypted path (the same report's raw ceiling: 0.18-0.22x at every K), and plain-auth gains as much from "
-         "the same streams; what the streams give CurveZMQ: 1.7-3.7 GiB/s with the default 8, 0.66-1.31x the "
+         "unencrypted path (the same report's raw ceiling: 0.17-0.21x at every K), and plain-auth gains as much from "
+         "the same streams; what the streams give CurveZMQ: 1.9-3.6 GiB/s with the default 8, 0.78-1.27x the "
          "unencrypted data plane on one connection (the report's last column)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
