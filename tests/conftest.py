@@ -37,6 +37,23 @@ def time_limit(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
+def mp4(frames: int, width: int = 16, height: int = 8, fps: float = 4.0) -> bytes:
+    """An MP4 (MPEG-4 part 2, OpenCV's own encoder) of frames whose pixels change from frame to frame."""
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    y, x, c = np.mgrid[0:height, 0:width, 0:3]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "v.mp4")
+        out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        for i in range(frames):
+            out.write(((x * 4 + y * 2 + c * 60 + i * 30) % 256).astype(np.uint8))
+        out.release()
+        return Path(path).read_bytes()
+
+
 # The GPU suite runs only where asked for (`make test-gpu` on a machine with a GPU): this machine's run
 # leaves it out rather than have it fail for want of a GPU.
 collect_ignore = [] if os.environ.get("OMNIFLEET_GPU_TESTS") == "1" else ["gpu"]

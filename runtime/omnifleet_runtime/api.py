@@ -84,6 +84,7 @@ class Api:
             for lora in st.loras:
                 self.loras.setdefault(lora.name, []).append(st.name)
         self.entry = next(s.name for s in self.spec.stages if not s.inputs)
+        self.entry_type = next(s.type for s in self.spec.stages if not s.inputs)  # vLLM stages decode videos
         self.final_types = {s.name: s.final_output for s in self.spec.stages if s.final_output != "none"}
 
     def app(self) -> web.Application:
@@ -243,7 +244,9 @@ class Api:
         lim = self.spec.master.limits
         return await decode_messages(
             messages, max_image_pixels=lim.max_image_pixels, max_audio_seconds=lim.max_input_audio_seconds,
-            max_bytes=lim.max_body_bytes, hosts=frozenset(self.spec.master.media_url_hosts), fetch=fetch_bounded)
+            max_bytes=lim.max_body_bytes, hosts=frozenset(self.spec.master.media_url_hosts), fetch=fetch_bounded,
+            max_video_frames=lim.max_video_frames, max_video_pixels=lim.max_video_pixels,
+            video_file=self.entry_type in ("llm", "vllm-omni"))
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:

@@ -184,6 +184,15 @@ class ApiLimits(Model):
     max_input_audio_seconds: float = Field(
         600.0, gt=0, le=86400,
         description="Seconds of one `input_audio` content part (read from its header, before decoding). Default: 600.")
+    max_video_frames: int = Field(
+        32, ge=1, le=4096,
+        description="Frames taken from one `video_url` content part, sampled evenly over the video as vLLM's "
+        "OpenCV loader samples them (all of a shorter one). Default: 32 (vLLM's own).")
+    max_video_pixels: int = Field(
+        32 * 1920 * 1080, ge=1, le=1 << 34,
+        description="Pixels of the frames taken from one `video_url` part, all together (read from its header, "
+        "before decoding): what the decoded video may hold in memory, 3 bytes each. Default: 66355200 "
+        "(32 frames of 1920x1080).")
 
 
 class ModelVolume(Model):
@@ -410,8 +419,8 @@ class Master(Model):
     limits: ApiLimits = Field(default_factory=ApiLimits, description="Bounds of the HTTP API.")
     media_url_hosts: list[Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$", max_length=253)]] = Field(
         default_factory=list, max_length=256,
-        description="Hosts whose http(s) `image_url` parts the master fetches (bounded by maxBodyBytes, 10 s). "
-        "Default: none: images come as data URLs.")
+        description="Hosts whose http(s) `image_url` and `video_url` parts the master fetches (bounded by "
+        "maxBodyBytes, 10 s). Default: none: images and videos come as data URLs.")
 
 
 class VllmOmniStage(Model):

@@ -2,10 +2,11 @@
 
     python llm_media_oracle.py MODEL REQUEST.json OUT.json
 
-REQUEST.json: {"engine": engine args, "messages": [...], "sampling_params": {...}}. vLLM decodes the
-content parts itself (a PNG data URL, a base64 WAV), renders the chat template with its own
-placeholders and expands them; nothing of omnifleet is on the path. Writes OUT.json: the prompt's
-token ids as the engine ran it and the generated token ids.
+REQUEST.json: {"engine": engine args, "requests": [messages, ...], "sampling_params": {...}}. vLLM
+decodes the content parts itself (a PNG data URL, a base64 WAV, an MP4 data URL with its own video
+loader), renders the chat template with its own placeholders and expands them; nothing of omnifleet is
+on the path. Writes OUT.json: per request, in order, the prompt's token ids as the engine ran it and the
+generated token ids.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, **req["engine"])
-    [o] = llm.chat(req["messages"], SamplingParams(**req["sampling_params"]),
-                   chat_template_content_format="openai")
-    Path(out).write_text(json.dumps({"prompt_token_ids": list(o.prompt_token_ids),
-                                     "token_ids": list(o.outputs[0].token_ids)}))
+    results = []
+    for messages in req["requests"]:  # one at a time, as the fleet runs them
+        [o] = llm.chat(messages, SamplingParams(**req["sampling_params"]), chat_template_content_format="openai")
+        results.append({"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids)})
+    Path(out).write_text(json.dumps(results))
     print("oracle done", flush=True)
     os._exit(0)  # the engine's background threads would otherwise keep the process alive
 

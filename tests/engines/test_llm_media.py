@@ -1,14 +1,14 @@
-"""Image and audio input to an `llm` stage: stock vLLM running the tiny Qwen2.5-Omni's thinker.
+"""Image, audio and video input to an `llm` stage: stock vLLM running the tiny Qwen2.5-Omni's thinker.
 
 The model is the tiny seeded Qwen2.5-Omni of the vllm-omni tests (devsetup.tiny_omni, built here with
 this environment's transformers, its multimodal processor included); stock vLLM runs its thinker (vLLM's
-registry has Qwen2.5-Omni's thinker, not its talker or code2wav). One `llm` stage, allowed an image and
-an audio per prompt, behind the master. A chat message with a PNG, a WAV and a question goes through the
-master, which decodes the media once; the stage renders the model's chat template and hands the pixels
-and samples to its engine as vLLM's multimodal data.
+registry has Qwen2.5-Omni's thinker, not its talker or code2wav). One `llm` stage, allowed an image, an
+audio and a video per prompt, behind the master. A chat message with a PNG, a WAV and a question, and one
+with an MP4 and a question, go through the master, which decodes the media once; the stage renders the
+model's chat template and hands the pixels, samples and frames to its engine as vLLM's multimodal data.
 
 The oracle is vLLM's own `LLM.chat` on the same checkpoint and engine settings, in a process of its own,
-given the message as the client sent it (vLLM decodes the PNG and the WAV itself,
+given the messages as the client sent them (vLLM decodes the PNG, the WAV and the MP4 itself,
 llm_media_oracle.py). Greedy: the tokens through omnifleet must equal the oracle's, and the prompt the
 engine ran (usage.prompt_tokens) must be the oracle's, placeholders expanded to the media's length.
 What the tokens prove is limited: this tiny random thinker, run by stock vLLM, answers one repeated token
@@ -30,16 +30,27 @@ import pytest
 
 from fleet_harness import Fleet, pipeline  # noqa: E402
 
-from ..conftest import time_limit  # noqa: E402
+from ..conftest import mp4, time_limit  # noqa: E402
 from .conftest import HEARTBEAT, HERE, media, report  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 TEST_TIMEOUT_S = 900
 
-ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 1, "enforce_eager": True,
-          "enable_prefix_caching": False, "limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 0},
+ENGINE = {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": 1, "enforce_eager": True,
+          "enable_prefix_caching": False, "limit_mm_per_prompt": {"image": 1, "audio": 1, "video": 1},
           "seed": 0}
 SAMPLING = {"max_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.1}  # vLLM-Omni's thinker settings
+
+
+CLIP_FRAMES = 40  # 10 s: more than the default loader's 32 frames and Qwen2-VL's loader's 2 a second
+
+
+def video_message() -> list:
+    import base64
+
+    url = "data:video/mp4;base64," + base64.b64encode(mp4(CLIP_FRAMES, 56, 56)).decode()
+    return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": "what happens?"}]}]
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +77,7 @@ def tiny_omni() -> str:
 @pytest.fixture(scope="module")
 def oracle(tiny_omni, tmp_path_factory, request) -> dict:
     tmp = tmp_path_factory.mktemp("llm-media-oracle")
-    (tmp / "request.json").write_text(json.dumps({"engine": ENGINE, "messages": media()[0],
+    (tmp / "request.json").write_text(json.dumps({"engine": ENGINE, "requests": [media()[0], video_message()],
                                                   "sampling_params": SAMPLING}))
     t = time.monotonic()
     with open(tmp / "oracle.log", "wb") as logf:
@@ -84,7 +95,8 @@ def oracle(tiny_omni, tmp_path_factory, request) -> dict:
     assert proc.returncode == 0 and (tmp / "out.json").exists(), \
         (tmp / "oracle.log").read_text(errors="replace")[-6000:]
     report(request.config, "llm-media", f"oracle (vLLM's LLM.chat): {time.monotonic() - t:.1f}s")
-    return json.loads((tmp / "out.json").read_text())
+    image_audio, video = json.loads((tmp / "out.json").read_text())
+    return {**image_audio, "video": video}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +136,41 @@ def test_image_and_audio_reach_the_thinker_as_vllm_takes_them(fleet, oracle, req
     report(request.config, "llm-media", f"PNG + WAV + text through omnifleet to stock vLLM: {took:.2f}s; prompt "
            f"{body['usage']['prompt_tokens']} tokens ({grown} for the media), tokens {oracle['token_ids']} as "
            f"vLLM's own LLM.chat")
+
+
+def test_the_master_takes_the_frames_vllm_s_own_loader_takes():
+    """The master's decoder against vLLM's OpenCV video loader (what vLLM's OpenAI server runs), on the same
+    MP4: the same frames, byte for byte, and the same indices, fps and frame count."""
+    import numpy as np
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    from omnifleet_runtime.content import decode_video
+
+    for frames in (8, CLIP_FRAMES):
+        raw = mp4(frames, 56, 40)
+        ours = decode_video(raw, "messages[0].content[0]", 1 << 24, 32, 1 << 30)
+        theirs, meta = VIDEO_LOADER_REGISTRY.load("opencv").load_bytes(raw, num_frames=32)
+        got = np.frombuffer(ours["video"]["data"], np.uint8).reshape(ours["video"]["shape"])
+        assert got.shape == theirs.shape == (min(frames, 32), 40, 56, 3)
+        assert np.array_equal(got, theirs)
+        assert (ours["frame_indices"], ours["total_frames"], ours["fps"]) == \
+            (meta["frames_indices"], meta["total_num_frames"], meta["fps"])
+
+
+def test_a_video_reaches_the_thinker_as_vllm_takes_it(fleet, oracle, request):
+    status, body = fleet.http("POST", "/v1/chat/completions", {
+        "model": "omni-thinker", "messages": video_message(), "return_token_ids": True})
+    assert status == 200, body
+    want = oracle["video"]
+    assert body["choices"][0]["token_ids"] == want["token_ids"]
+    assert body["usage"]["prompt_tokens"] == len(want["prompt_token_ids"]), (body["usage"], want)
+    status, plain = fleet.http("POST", "/v1/chat/completions", {
+        "model": "omni-thinker", "messages": [{"role": "user", "content": "what happens?"}]})
+    assert status == 200, plain
+    grown = body["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"]
+    assert grown > 16, f"the video added only {grown} prompt tokens"
+    report(request.config, "llm-media", f"MP4 ({CLIP_FRAMES} frames) + text through omnifleet to stock vLLM: prompt "
+           f"{body['usage']['prompt_tokens']} tokens ({grown} for the video), as vLLM's own LLM.chat")
 
 
 def test_a_part_the_stage_cannot_take_is_a_clear_400(fleet):

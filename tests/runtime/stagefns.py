@@ -299,6 +299,13 @@ def _media_summary(messages):
                 out.append({"type": "audio", "shape": a["shape"], "sample_rate": part["sample_rate"],
                             "first_sample": first,
                             "bytes": len(a["data"]) if a["data"] is not None else None})
+            elif part["type"] == "video" and "file" in part:
+                out.append({"type": "video", "file": len(part["file"]) if part["file"] is not None else None})
+            elif part["type"] == "video":
+                v = part["video"]
+                out.append({"type": "video", "shape": v["shape"], "dtype": v["dtype"], "fps": part["fps"],
+                            "total_frames": part["total_frames"], "frame_indices": part["frame_indices"],
+                            "bytes": len(v["data"]) if v["data"] is not None else None})
             else:
                 out.append({"type": part["type"]})
     return out

@@ -1,4 +1,4 @@
-"""Chat content parts with images and audio: decoded once by the master, bounded, for the entry stage only."""
+"""Chat content parts with images, audio and video: decoded once by the master, bounded, for the entry stage only."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from PIL import Image
 
 from fleet_harness import pipeline, stage
+
+from ..conftest import mp4 as video
 
 
 def png(width: int, height: int, rgb=(255, 0, 0)) -> bytes:
@@ -76,6 +78,30 @@ def test_images_and_audio_reach_the_entry_stage_decoded_and_the_next_stage_witho
     ]
 
 
+def test_a_video_reaches_the_entry_stage_as_the_frames_vllm_would_take(make_fleet):
+    """40 frames, 32 taken (maxVideoFrames' default, vLLM's num_frames) evenly as vLLM's loader takes them;
+    test_llm_media compares the frames themselves with vLLM's loader."""
+    fleet = media_fleet(make_fleet)
+    status, body = chat(fleet, [{"type": "video_url", "video_url": {"url": data_url(video(40), "video/mp4")}}])
+    assert status == 200, body
+    [entry] = json.loads(body["choices"][0]["message"]["content"])["entry"]
+    taken = [int(i) for i in __import__("numpy").linspace(0, 39, 32, dtype=int)]
+    assert entry == {"type": "video", "shape": [32, 8, 16, 3], "dtype": "uint8", "fps": 4.0, "total_frames": 40,
+                     "frame_indices": taken, "bytes": 32 * 8 * 16 * 3}
+    [later] = json.loads(body["choices"][0]["message"]["content"])["next"]
+    assert later["bytes"] is None and later["shape"] == [32, 8, 16, 3]
+    # The bound on the decoded frames: fewer frames pass where more would not.
+    fleet2 = media_fleet(make_fleet, limits={"maxVideoPixels": 8 * 16 * 10})
+    status, body = chat(fleet2, [{"type": "video_url", "video_url": {"url": data_url(video(40), "video/mp4")}}])
+    assert status == 400 and "32 frames of 16x8 are more than 1280 pixels (spec.master.limits.maxVideoPixels" \
+        in body["error"]["message"], body
+    fleet3 = media_fleet(make_fleet, limits={"maxVideoPixels": 8 * 16 * 10, "maxVideoFrames": 10})
+    status, body = chat(fleet3, [{"type": "video_url", "video_url": {"url": data_url(video(40), "video/mp4")}}])
+    assert status == 200, body
+    [entry] = json.loads(body["choices"][0]["message"]["content"])["entry"]
+    assert entry["shape"] == [10, 8, 16, 3] and entry["frame_indices"] == [0, 4, 8, 13, 17, 21, 26, 30, 34, 39]
+
+
 def test_media_parts_the_master_cannot_take_are_400s_naming_the_part(make_fleet):
     fleet = media_fleet(make_fleet, limits={"maxImagePixels": 100, "maxInputAudioSeconds": 1})
     cases = [
@@ -93,8 +119,13 @@ def test_media_parts_the_master_cannot_take_are_400s_naming_the_part(make_fleet)
          "'messages[1].content[0].input_audio': not wav audio the master can read"),
         ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aiff"}},
          "'messages[1].content[0].input_audio.format' must be one of wav, flac, mp3, ogg"),
-        ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
-         "'messages[1].content[0]': content parts of type 'video_url' are not accepted"),
+        ({"type": "video_url", "video_url": {"url": data_url(b"not a video", "video/mp4")}},
+         "'messages[1].content[0]': not a video the master can read"),
+        ({"type": "video_url", "video_url": {"url": data_url(png(2, 2))}},
+         "'messages[1].content[0].video_url.url' is not a base64 data URL of a video"),
+        ({"type": "video_url", "video_url": {"url": data_url(video(2, 16, 8), "video/mp4")}},
+         "'messages[1].content[0]': video frames of 16x8 are more than 100 pixels (spec.master.limits.maxImagePixels)"),
+        ({"type": "file", "file": {}}, "'messages[1].content[0]': content parts of type 'file' are not accepted"),
     ]
     for part, message in cases:
         status, body = chat(fleet, [part])

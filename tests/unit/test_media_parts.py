@@ -22,6 +22,19 @@ def audio(data=SAMPLES, shape=(4,), rate=16000):
     return {"type": "audio", "audio": {"dtype": "float32", "shape": list(shape), "data": data}, "sample_rate": rate}
 
 
+def video(data=PIXELS, shape=(2, 1, 3, 3), fps=2.0, total=4, indices=(0, 3)):
+    return {"type": "video", "video": {"dtype": "uint8", "shape": list(shape), "data": data}, "fps": fps,
+            "total_frames": total, "max_frames": 32, "frame_indices": list(indices)}
+
+
+def test_decoded_video_frames_go_with_the_metadata_vllm_s_loader_gives():
+    _, mm = split_media([{"role": "user", "content": [video()]}], "s")
+    frames, meta = mm["video"]
+    assert frames.shape == (2, 1, 3, 3) and frames[1, 0, 0].tolist() == [9, 10, 11]
+    assert meta == {"total_num_frames": 4, "fps": 2.0, "duration": 2.0, "video_backend": "opencv",
+                    "frames_indices": [0, 3], "do_sample_frames": False}
+
+
 def test_media_become_placeholders_and_multimodal_data():
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [image(), audio(), {"type": "text", "text": "what?"}]}]
@@ -53,7 +66,13 @@ def test_text_only_messages_have_no_multimodal_data():
     (audio(rate=0), "positive integer sample_rate"),
     (audio(rate=True), "positive integer sample_rate"),
     (audio(shape=(2, 2)), "mono float32 [samples]"),
-    ({"type": "video", "video": {}}, "got 'video'"),
+    ({"type": "video", "video": {}}, "expected uint8 data"),
+    (video(shape=(2, 3, 3)), "uint8 [frames, height, width, 3]"),
+    (video(fps=-1), "needs fps >= 0, total_frames and one frame index per frame"),
+    (video(indices=[0]), "one frame index per frame"),
+    (video(indices=[0, 9]), "one frame index per frame"),
+    ({"type": "video", "file": b"x", "max_frames": 0}, "positive integer max_frames"),
+    ({"type": "clip"}, "got 'clip'"),
     ({"type": "image", "image": {"dtype": "uint8", "shape": [1, 1, 3], "data": None}}, "expected uint8 data"),
     ("text", "got 'None'"),
 ])

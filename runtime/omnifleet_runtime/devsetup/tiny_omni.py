@@ -41,13 +41,14 @@ SPECIALS = {
     "<|quad_end|>": 151651, "<|vision_bos|>": 151652, "<|vision_eos|>": 151653, "<|vision_pad|>": 151654,
     "<|IMAGE|>": 151655, "<|VIDEO|>": 151656,
 }
-# Qwen2.5-Omni's own template, less its default system prompt: an image or audio content part renders as
-# its placeholder between its bos/eos tokens (vLLM's processor expands the placeholder to the media's length).
+# Qwen2.5-Omni's own template, less its default system prompt: an image, audio or video content part renders
+# as its placeholder between its bos/eos tokens (vLLM's processor expands the placeholder to the media's length).
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% elif m['content'] %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
     "{% elif c['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif c['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -1,12 +1,18 @@
 """Chat messages with the media the master decoded -> a chat template's input and vLLM's `multi_modal_data`.
 
-The entry stage receives image parts as `{"type": "image", "image": {dtype: uint8, shape: [h, w, 3], data}}`
-and audio parts as `{"type": "audio", "audio": {dtype: float32, shape: [samples], data}, "sample_rate"}`
-(content.py). `split_media` turns each into a bare `{"type": "image"}` / `{"type": "audio"}` part, which a
-multimodal model's chat template renders as its placeholder (Qwen2.5-Omni's `<|vision_bos|><|IMAGE|>
-<|vision_eos|>`), and collects the media as vLLM takes them: images as PIL images, audio as `(samples,
-rate)` (vLLM resamples to the model's feature extractor's rate); vLLM's processor expands each placeholder
-to the media's length. Anything else in a content list but text is refused, naming the part.
+The entry stage receives image parts as `{"type": "image", "image": {dtype: uint8, shape: [h, w, 3], data}}`,
+audio parts as `{"type": "audio", "audio": {dtype: float32, shape: [samples], data}, "sample_rate"}` and
+video parts as `{"type": "video", "file": bytes, "fps", "total_frames", "max_frames"}` (the master decodes
+videos for vLLM stages no further than their header: content.py). `split_media` turns each into a bare
+`{"type": "image"}` / `{"type": "audio"}` / `{"type": "video"}` part, which a multimodal model's chat
+template renders as its placeholder (Qwen2.5-Omni's `<|vision_bos|><|IMAGE|><|vision_eos|>`), and collects
+the media as vLLM takes them: images as PIL images, audio as `(samples, rate)` (vLLM resamples to the
+model's feature extractor's rate), a video as `(frames, metadata)` from the video loader vLLM's OpenAI
+server picks for the model (by its video processor: Qwen2-VL's takes 2 frames a second, the default takes
+`max_frames` evenly), so the engine gets the frames vLLM itself would; vLLM's processor expands each
+placeholder to the media's length. (Frames the master decoded, `"video": {dtype: uint8, shape: [frames, h,
+w, 3], data}` with `frame_indices`, are taken as they are, with the metadata the default loader gives.)
+Anything else in a content list but text is refused, naming the part.
 """
 
 from __future__ import annotations
@@ -17,24 +23,26 @@ from ..wire import Array
 from .base import BadInput
 
 
-def split_media(messages: list[dict[str, Any]], stage: str) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """(messages for the chat template, multi_modal_data or None when they hold no media)."""
-    media: dict[str, list[Any]] = {"image": [], "audio": []}
+def split_media(messages: list[dict[str, Any]], stage: str,
+                model: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """(messages for the chat template, multi_modal_data or None when they hold no media); model (its path)
+    picks the video loader."""
+    media: dict[str, list[Any]] = {"image": [], "audio": [], "video": []}
     rendered = []
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list):
-            m = {**m, "content": [_part(p, f"stage {stage!r}: messages[{i}].content[{j}]", media)
+            m = {**m, "content": [_part(p, f"stage {stage!r}: messages[{i}].content[{j}]", media, model)
                                   for j, p in enumerate(content)]}
         elif not isinstance(content, (str, type(None))):
             raise BadInput(f"stage {stage!r}: messages[{i}].content must be a string or a list of content parts")
         rendered.append(m)
-    if not (media["image"] or media["audio"]):
+    if not any(media.values()):
         return rendered, None
     return rendered, {k: v if len(v) > 1 else v[0] for k, v in media.items() if v}
 
 
-def _part(part: Any, at: str, media: dict[str, list[Any]]) -> dict[str, Any]:
+def _part(part: Any, at: str, media: dict[str, list[Any]], model: str | None = None) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
@@ -55,8 +63,49 @@ def _part(part: Any, at: str, media: dict[str, list[Any]]) -> dict[str, Any]:
             raise BadInput(f"{at}: audio must be mono float32 [samples], not {list(samples.shape)}")
         media["audio"].append((samples, rate))
         return {"type": "audio"}
-    raise BadInput(f"{at}: a content part must be text, an image or audio (as the master decodes them); "
+    if kind == "video" and isinstance(part.get("file"), (bytes, bytearray, memoryview)):
+        n = part.get("max_frames")
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise BadInput(f"{at}: a video file part needs a positive integer max_frames")
+        try:
+            media["video"].append(load_video(bytes(part["file"]), n, model))
+        except ValueError as e:  # vLLM's loader: not a video it can read
+            raise BadInput(f"{at}: the video could not be decoded: {str(e)[:200]}") from None
+        return {"type": "video"}
+    if kind == "video" and isinstance(part.get("video"), (dict, Array)):
+        frames = _ndarray(part["video"], at, "uint8")
+        if frames.ndim != 4 or frames.shape[3] != 3 or frames.shape[0] == 0:
+            raise BadInput(f"{at}: a video must be uint8 [frames, height, width, 3], not {list(frames.shape)}")
+        fps, total, taken = part.get("fps"), part.get("total_frames"), part.get("frame_indices")
+        if not isinstance(fps, (int, float)) or isinstance(fps, bool) or fps < 0 or not isinstance(total, int) \
+                or not isinstance(taken, list) or len(taken) != frames.shape[0] \
+                or not all(isinstance(i, int) and 0 <= i < total for i in taken):
+            raise BadInput(f"{at}: a video part needs fps >= 0, total_frames and one frame index per frame")
+        media["video"].append((frames, {  # what vLLM's OpenCV loader says of the frames it took
+            "total_num_frames": total, "fps": float(fps), "duration": total / fps if fps > 0 else 0,
+            "video_backend": "opencv", "frames_indices": taken, "do_sample_frames": len(taken) == total}))
+        return {"type": "video"}
+    raise BadInput(f"{at}: a content part must be text, an image, audio or video (as the master decodes them); "
                    f"got {str(kind)[:32]!r}")
+
+
+def load_video(data: bytes, num_frames: int, model: str | None) -> tuple[Any, dict[str, Any]]:
+    """(frames, metadata) as vLLM's OpenAI server loads a video for model: the loader registered for the
+    model's video processor (the default one where it has none), at most num_frames frames."""
+    from vllm import envs
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    backend = None
+    if model is not None:
+        try:
+            from vllm.transformers_utils.processor import get_video_processor_cls_name_from_config
+
+            backend = VIDEO_LOADER_REGISTRY.get_backend_for_video_processor(
+                get_video_processor_cls_name_from_config(model))
+        except (ImportError, AttributeError, OSError):  # a vLLM without per-model loaders: its default
+            backend = None
+    loader = VIDEO_LOADER_REGISTRY.load(backend or envs.VLLM_VIDEO_LOADER_BACKEND)
+    return loader.load_bytes(data, num_frames=num_frames)
 
 
 def _ndarray(value: Any, at: str, dtype: str) -> Any:

@@ -240,7 +240,7 @@ class VllmEngine(Engine):
         if isinstance(item, str):
             return list(self._tok().encode(item)), item, overrides, None
         if isinstance(item, (list, tuple)) and item and all(isinstance(m, dict) for m in item):
-            messages, mm = split_media(list(item), self.stage.name)
+            messages, mm = split_media(list(item), self.stage.name, self.model or None)
             if mm is None:  # text only: content parts joined, for templates that take strings only
                 messages = _text_messages(messages)
             text = self._tok().apply_chat_template(messages, tokenize=False, add_generation_prompt=True,

@@ -279,7 +279,7 @@ class VllmOmniEngine(Engine):
 
     def _chat(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         """Chat messages -> token ids through the model's chat template; their media as multi_modal_data."""
-        rendered, mm = split_media(messages, self.stage.name)
+        rendered, mm = split_media(messages, self.stage.name, self.model or None)
         ids = self._tok().apply_chat_template(rendered, add_generation_prompt=True, tokenize=True)
         # transformers 5 returns a BatchEncoding (a mapping, not a dict) here.
         prompt: dict[str, Any] = {"prompt_token_ids": [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys")
