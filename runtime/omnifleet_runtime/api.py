@@ -83,8 +83,8 @@ class Api:
         for st in self.spec.stages:
             for lora in st.loras:
                 self.loras.setdefault(lora.name, []).append(st.name)
-        self.entry = next(s.name for s in self.spec.stages if not s.inputs)
-        self.entry_type = next(s.type for s in self.spec.stages if not s.inputs)  # vLLM stages decode videos
+        entry = next(s for s in self.spec.stages if not s.inputs)
+        self.entry, self.entry_type = entry.name, entry.type  # vLLM stages decode videos
         self.final_types = {s.name: s.final_output for s in self.spec.stages if s.final_output != "none"}
 
     def app(self) -> web.Application:

@@ -17,6 +17,7 @@ Anything else in a content list but text is refused, naming the part.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..wire import Array
@@ -92,6 +93,14 @@ def _part(part: Any, at: str, media: dict[str, list[Any]], model: str | None = N
 def load_video(data: bytes, num_frames: int, model: str | None) -> tuple[Any, dict[str, Any]]:
     """(frames, metadata) as vLLM's OpenAI server loads a video for model: the loader registered for the
     model's video processor (the default one where it has none), at most num_frames frames."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    return VIDEO_LOADER_REGISTRY.load(_video_backend(model)).load_bytes(data, num_frames=num_frames)
+
+
+@functools.lru_cache(maxsize=16)
+def _video_backend(model: str | None) -> str:
+    """The video loader's name for model, looked up once per model (the lookup reads its config files)."""
     from vllm import envs
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
@@ -104,8 +113,7 @@ def load_video(data: bytes, num_frames: int, model: str | None) -> tuple[Any, di
                 get_video_processor_cls_name_from_config(model))
         except (ImportError, AttributeError, OSError):  # a vLLM without per-model loaders: its default
             backend = None
-    loader = VIDEO_LOADER_REGISTRY.load(backend or envs.VLLM_VIDEO_LOADER_BACKEND)
-    return loader.load_bytes(data, num_frames=num_frames)
+    return backend or envs.VLLM_VIDEO_LOADER_BACKEND
 
 
 def _ndarray(value: Any, at: str, dtype: str) -> Any:
