@@ -69,7 +69,7 @@ def check_document(doc: Any, policy: Policy = Policy()) -> tuple[OmniPipeline | 
 
 
 def check_callables(doc: OmniPipeline) -> tuple[list[Problem], list[str]]:
-    """Import every entrypoint and input processor the pipeline names.
+    """Import every entrypoint, input processor and prompt expansion the pipeline names.
 
     Returns the problems (a module that exists without the callable, or a
     callable that is not callable) and, as plain lines, what could not be
@@ -78,7 +78,8 @@ def check_callables(doc: OmniPipeline) -> tuple[list[Problem], list[str]]:
     problems: list[Problem] = []
     unchecked: list[str] = []
     for i, stage in enumerate(doc.spec.stages):
-        for field, ref in (("entrypoint", stage.entrypoint), ("inputProcessor", stage.input_processor)):
+        for field, ref in (("entrypoint", stage.entrypoint), ("inputProcessor", stage.input_processor),
+                           ("promptExpand", stage.prompt_expand)):
             if not ref:
                 continue
             path = f"spec.stages[{i}].{field}"

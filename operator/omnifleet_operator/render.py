@@ -95,7 +95,7 @@ def master_view(doc: OmniPipeline) -> Obj:
     It covers every stage's ROUTING_FIELDS, and a stage's own pods roll when
     those change, so master and stages always agree on them after a rollout.
     """
-    keep = ROUTING_FIELDS + ("model", "samplingParams", "loras")
+    keep = ROUTING_FIELDS + ("model", "samplingParams", "loras", "promptExpand")
     d = dump(resolve(doc))["spec"]
     # Scaling the masters rolls none of them.
     master = {k: v for k, v in d["master"].items() if k not in POD_ONLY_FIELDS + ("replicas",)}

@@ -73,7 +73,8 @@ class Api:
         self.metrics_text = metrics_text
         self.api_key = api_key or None
         self.check = RequestCheck(self.limits, [s.name for s in self.spec.stages],
-                                  doc.spec.master.trust_request_chat_template)
+                                  doc.spec.master.trust_request_chat_template,
+                                  companions=any(s.prompt_expand for s in self.spec.stages))
         self.inflight = 0
         self.draining = False  # SIGTERM: no new request; those in flight finish (master.py)
         self.model_id = doc.metadata.name

@@ -24,15 +24,17 @@ OPENAI_SAMPLING = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "logprobs", "top_logprobs",
     "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
 )
+# negative_prompt: the unconditional branch of classifier-free guidance (a stage's promptExpand runs it).
 _COMMON = ("model", "user", "stage_sampling_params", "timeout", "metadata")
-_GENERATE = _COMMON + OPENAI_SAMPLING + ("stream", "stream_options", "return_token_ids", "logit_bias")
+_GENERATE = _COMMON + OPENAI_SAMPLING + ("stream", "stream_options", "return_token_ids", "logit_bias", "negative_prompt")
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "chat": frozenset(_GENERATE + (
         "messages", "modalities", "audio", "response_format", "tools", "tool_choice", "parallel_tool_calls",
         "chat_template", "chat_template_kwargs", "store", "service_tier", "reasoning_effort")),
     # `modalities` as on chat (an extension): a completion's non-text outputs come in the choice's `omni` field.
     "completion": frozenset(_GENERATE + ("prompt", "echo", "best_of", "suffix", "modalities")),
-    "image": frozenset(_COMMON + ("prompt", "n", "size", "seed", "response_format", "quality", "style")),
+    "image": frozenset(_COMMON + ("prompt", "n", "size", "seed", "response_format", "quality", "style",
+                                  "negative_prompt")),
     "speech": frozenset(_COMMON + ("input", "voice", "response_format", "speed", "instructions", "stream_format")),
 }
 # chat_template_kwargs keys that are arguments of apply_chat_template itself, not template variables.
@@ -130,10 +132,11 @@ def _int(body: dict[str, Any], key: str, lo: int, hi: int, field: str | None = N
 class RequestCheck:
     """The checks of one pipeline's limits; each method raises BadRequest or returns normally."""
 
-    def __init__(self, limits: ApiLimits, stages: list[str], trust_chat_template: bool):
+    def __init__(self, limits: ApiLimits, stages: list[str], trust_chat_template: bool, companions: bool = False):
         self.limits = limits
         self.stages = set(stages)
         self.trust_chat_template = trust_chat_template
+        self.companions = companions  # a stage expands prompts (promptExpand): negative_prompt has a reader
 
     def check(self, kind: str, body: dict[str, Any]) -> None:
         unknown = sorted(k for k in body if k not in KNOWN_KEYS[kind])
@@ -147,6 +150,16 @@ class RequestCheck:
             raise BadRequest("'model' must be a string")
         self._sampling(body, "")
         self._stage_sampling(body.get("stage_sampling_params"))
+        negative = body.get("negative_prompt")
+        if negative is not None:
+            if not self.companions:
+                raise BadRequest("'negative_prompt': no stage of this pipeline runs guidance companions "
+                                 "(a stage's promptExpand, e.g. omnifleet_runtime.processors:negative_prompt)")
+            if not isinstance(negative, str) or not negative:
+                raise BadRequest("'negative_prompt' must be a non-empty string")
+            if len(negative) > self.limits.max_prompt_chars:
+                raise BadRequest(f"'negative_prompt' is longer than {self.limits.max_prompt_chars} characters "
+                                 "(spec.master.limits.maxPromptChars)")
         options = body.get("stream_options")
         if options is not None and (not isinstance(options, dict) or any(
                 k != "include_usage" or not isinstance(v, bool) for k, v in options.items())):

@@ -18,7 +18,7 @@ from .wire import Array, RequestInfo
 
 __all__ = [
     "collect", "llm_text", "llm_tokens", "llm_text_as_chat", "thinker_to_talker", "talker_to_code2wav",
-    "ar_to_diffusion",
+    "ar_to_diffusion", "negative_prompt",
 ]
 
 
@@ -108,10 +108,39 @@ def ar_to_diffusion(upstream: dict[str, Any], request: RequestInfo) -> dict[str,
     Hidden states the AR model returned (`extra.hidden_states` or
     `extra.prompt_embeds`, the last chunk's) become `prompt_embeds`; otherwise
     the generated text and token ids are passed (`prompt`, `prompt_token_ids`),
-    for the diffusion model's own text encoder.
+    for the diffusion model's own text encoder. The output of a `negative`
+    CFG companion (input `<stage>:negative`, see `negative_prompt`) becomes the
+    same fields prefixed `negative_`: the unconditional branch of guidance.
     """
-    c = collect(_one(upstream))
+    main = {k: v for k, v in upstream.items() if ":" not in k}
+    out = _conditioning(collect(_one(main)), "")
+    for name, chunks in upstream.items():
+        if name.endswith(":negative"):
+            out |= _conditioning(collect(chunks), "negative_")
+    return out
+
+
+def _conditioning(c: dict[str, Any], prefix: str) -> dict[str, Any]:
     for name in ("prompt_embeds", "hidden_states"):
         if c["extra"].get(name):
-            return {"prompt_embeds": c["extra"][name][-1]}
-    return {"prompt": c["text"], "prompt_token_ids": c["token_ids"]}
+            return {f"{prefix}prompt_embeds": c["extra"][name][-1]}
+    return {f"{prefix}prompt": c["text"], f"{prefix}prompt_token_ids": c["token_ids"]}
+
+
+def negative_prompt(item: Any, sampling_params: dict[str, Any], request: RequestInfo) -> list[dict[str, Any]]:
+    """Stock prompt expansion (a stage's `promptExpand`): the request's `negative_prompt` as one CFG
+    companion of role `negative`, in the shape of the stage's own input (a prompt string, or one user
+    message for chat messages); none without one."""
+    negative = request.extra.get("negative_prompt")
+    if negative is None:
+        return []
+    if isinstance(item, str):
+        return [{"role": "negative", "input": negative}]
+    if isinstance(item, list):
+        return [{"role": "negative", "input": [{"role": "user", "content": negative}]}]
+    if isinstance(item, dict) and ("prompt" in item or "messages" in item):
+        key = "prompt" if "prompt" in item else "messages"
+        value = negative if key == "prompt" else [{"role": "user", "content": negative}]
+        return [{"role": "negative", "input": {k: v for k, v in item.items()
+                                              if k not in ("prompt", "messages", "prompt_token_ids")} | {key: value}}]
+    raise ValueError(f"negative_prompt: this stage's input is not a prompt or messages ({type(item).__name__})")

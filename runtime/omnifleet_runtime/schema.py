@@ -524,6 +524,13 @@ class Stage(Model):
         description="stream: start on chunks of the upstream output as they arrive; whole: wait for the full "
         "upstream output. Default: stream for python and torch stages, whole for llm and diffusion stages.",
     )
+    prompt_expand: CallableRef | None = Field(
+        None,
+        description="module:function making the classifier-free-guidance companions of each request from this "
+        "stage's input, e.g. omnifleet_runtime.processors:negative_prompt (the request's negative_prompt). "
+        "They run beside the request on the same replica; downstream input processors get their outputs as "
+        "inputs named stage:role. Only on the entry stage or a stage whose inputMode is whole.",
+    )
     final_output: FinalOutput = Field(
         "none", description="What this stage returns to the client (text, audio, image, video, action) or none."
     )

@@ -44,7 +44,7 @@ from aiohttp import web
 from zmq.utils.monitor import parse_monitor_message
 
 from . import constants as C
-from . import discovery, security, shm, stripes, tracing, wire
+from . import companions, discovery, security, shm, stripes, tracing, wire
 from .links import Link
 from .engines import BadInput, Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .metrics import CONTENT_TYPE, StageMetrics, audio_seconds
@@ -213,6 +213,7 @@ class StageWorker:
         self.drain_timeout_s = drain_timeout_s
         self.mode = self.stage.effective_input_mode()
         self.processor = None
+        self.expand = None  # promptExpand: the CFG companions of each request (companions.py)
         self.engine: Engine | None = None
         self.jobs: dict[tuple[str, int], Job] = {}
         self.pending: OrderedDict[tuple[str, int], list[tuple[float, wire.Data]]] = OrderedDict()
@@ -238,6 +239,8 @@ class StageWorker:
         self.engine = make_engine(self.stage, self.replica)
         if self.stage.input_processor:
             self.processor = load_callable(self.stage.input_processor)
+        if self.stage.prompt_expand:
+            self.expand = load_callable(self.stage.prompt_expand)
 
     def _set_registered(self, flag: bool) -> None:
         if self.on_registered is not None:
@@ -640,9 +643,11 @@ class StageWorker:
 
     def _process(self, upstream: dict[str, Any], info: wire.RequestInfo) -> Any:
         """The input processor (default: a single-input stage gets the value, a stage with several
-        inputs the dict `{upstream: value}`, in stream mode too, so it can tell its inputs apart)."""
+        inputs, or companion outputs (`upstream:role`) beside its input, the dict `{upstream: value}`,
+        in stream mode too, so it can tell its inputs apart)."""
         if self.processor is None:
-            return next(iter(upstream.values())) if len(self.stage.inputs) <= 1 else upstream
+            single = len(self.stage.inputs) <= 1 and len(upstream) <= 1 and not any(":" in k for k in upstream)
+            return next(iter(upstream.values())) if single else upstream
         out = self.processor(upstream, info)
         if inspect.isawaitable(out):
             raise TypeError("input processors must be plain functions")
@@ -690,10 +695,11 @@ class StageWorker:
                     job.inputs.put_nowait(_EOF)
                 return
             payload = shm.load(data.payload, self.shm_prefix)
+            src = f"{data.src}:{data.role}" if data.role else data.src  # a companion's output is an input of its own
             if self.mode == "stream":
-                self._put(job, self._process({data.src: payload}, job.msg.info))
+                self._put(job, self._process({src: payload}, job.msg.info))
             else:
-                job.whole[data.src].append(payload)
+                job.whole.setdefault(src, []).append(payload)
         except Exception as e:
             self._discard(data.payload)
             self._fail_inputs(job, RuntimeError(f"input processor failed: {type(e).__name__}: {e}"))
@@ -716,10 +722,16 @@ class StageWorker:
                 try:
                     request = EngineRequest(msg.request_id, job.iter_inputs(), msg.sampling_params, msg.info)
                     turns = Turns()
-                    async for out in self.engine.generate(request):
-                        await self._emit(job, seq, out)
-                        seq += 1
-                        await turns.take()
+                    if self.expand is None:
+                        async for out in self.engine.generate(request):
+                            await self._emit(job, seq, out)
+                            seq += 1
+                            await turns.take()
+                    else:
+                        async for role, out in companions.run(self.engine, self.expand, request):
+                            await self._emit(job, seq, out, role)
+                            seq += 1
+                            await turns.take()
                     eof = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, eof=True))
                     for route in msg.routes:
                         await self._send_peer(route, eof)
@@ -778,7 +790,9 @@ class StageWorker:
         finally:
             self.queued -= 1
 
-    async def _emit(self, job: Job, seq: int, out: Any) -> None:
+    async def _emit(self, job: Job, seq: int, out: Any, role: str = "") -> None:
+        """Send one output chunk along the job's routes (and to the master when final); a CFG companion's
+        (role set) goes to the routes only, and counts in no usage."""
         msg, m, stage = job.msg, self.metrics, self.stage.name
         now = time.monotonic()
         if seq == 0:
@@ -787,18 +801,19 @@ class StageWorker:
             m.chunk_seconds.observe(now - job.last_chunk, stage=stage)
         job.last_chunk = now
         m.chunks.inc(stage=stage)
-        if isinstance(out, dict):
+        if isinstance(out, dict) and not role:
             if isinstance(ids := out.get("token_ids"), (list, tuple)):
                 job.completion_tokens += len(ids)
             if isinstance(ids := out.get("prompt_token_ids"), (list, tuple)):
                 job.prompt_tokens = max(job.prompt_tokens, len(ids))
-        if self.stage.final_output == "audio":
+        if self.stage.final_output == "audio" and not role:
             seconds = audio_seconds(out)
             job.audio_s += seconds
             m.audio_seconds.inc(seconds, stage=stage)
         # Device memory (CUDA tensors) leaves as IPC handles on routes that take them, as host copies on
         # the others; each form is made once per chunk.
-        host = await self.engine.export(out, cuda_ipc=False) if msg.final or not all(
+        final = msg.final and not role
+        host = await self.engine.export(out, cuda_ipc=False) if final or not all(
             r.cuda_ipc for r in msg.routes) else None
         ipc = await self.engine.export(out, cuda_ipc=True) if any(r.cuda_ipc for r in msg.routes) else None
         remote = None  # one encoding serves every route over the network
@@ -812,7 +827,7 @@ class StageWorker:
                 if handed:
                     self.bytes["cuda_ipc"] += handed
                     m.bytes_out.inc(handed, stage=stage, route=route.stage, path="cuda_ipc")
-                frames = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, payload))
+                frames = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, payload, role=role))
                 m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
                 self._transfer(job, route.stage, "cuda_ipc" if handed else "shm",
                                handed + moved + wire.frames_nbytes(frames))
@@ -823,11 +838,11 @@ class StageWorker:
                     raise
                 continue
             frames = remote = remote or wire.encode(
-                wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, host))
+                wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, host, role=role))
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
             self._transfer(job, route.stage, "tcp", wire.frames_nbytes(frames))
             await self._send_peer(route, frames)
-        if msg.final:
+        if final:
             frames = wire.encode(wire.Output(msg.request_id, msg.attempt, self.stage.name, seq, host))
             self.bytes["master"] += wire.frames_nbytes(frames)
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route="master", path="tcp")

@@ -174,6 +174,10 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
             seen_loras.setdefault(lora.name, j)
             if lora.name == spec.model:
                 add(f"{at}.loras[{j}].name", "must differ from spec.model (the base model's name in requests)")
+        if s.prompt_expand and s.inputs and s.effective_input_mode() == "stream":
+            add(f"{at}.promptExpand", "expands a whole input: set inputMode: whole (or use it on the entry stage)")
+        if s.prompt_expand and not any(s.name in o.inputs for o in spec.stages):
+            add(f"{at}.promptExpand", "no stage takes this stage's output, so its companions' would go nowhere")
         if s.replicas is not None and s.autoscaling is not None:
             add(f"{at}.autoscaling", "set replicas or autoscaling, not both")
         if s.autoscaling and s.autoscaling.min_replicas > s.autoscaling.max_replicas:

@@ -274,6 +274,9 @@ class Data(Msg):
     seq: int
     payload: Any = None
     eof: bool = False
+    # A CFG companion's chunk: the role it ran as (companions.py); "" for the request's own output. One seq
+    # numbering covers the request's chunks and its companions' (the order they left the stage in).
+    role: Annotated[str, msgspec.Meta(max_length=32, pattern=r"^([a-z0-9_]{1,32})?$")] = ""
 
 
 Message = Union[

@@ -65,7 +65,8 @@ def painter_stage() -> dict:
 
 def doc(lora: Path) -> dict:
     d = pipeline(
-        {"name": "thinker", "type": "llm", "gpus": 0, "engineArgs": ENGINE, "samplingParams": THINKER},
+        {"name": "thinker", "type": "llm", "gpus": 0, "engineArgs": ENGINE, "samplingParams": THINKER,
+         "promptExpand": "omnifleet_runtime.processors:negative_prompt"},  # CFG companions for the painter
         {"name": "talker", "type": "llm", "gpus": 0, "inputs": ["thinker"], "finalOutput": "text",
          "inputProcessor": "enginefns:recording_llm_text", "engineArgs": ENGINE, "samplingParams": TALKER,
          "loras": [{"name": "terse", "path": str(lora)}]},
@@ -420,6 +421,53 @@ def test_images_generations_returns_pngs_of_the_requested_size(fleet):
     if diffusers_available():  # the tiny VAE halves the size: odd sizes cannot be made
         status, body = fleet.http("POST", "/v1/images/generations", {"prompt": "x", "size": "31x31"})
         assert status == 500 and "multiple of 2" in body["error"]["message"]
+
+
+def test_a_negative_prompt_runs_a_thinker_companion_that_guides_the_painter(fleet, request):
+    """An image request with a negative_prompt: the thinker runs it as a CFG companion beside the request
+    (on its one replica), and the painter's guidance takes the companion's output as its unconditional
+    branch. Oracle: the thinker engine called directly on both prompts, then the painter's own engine
+    code in this process on those outputs."""
+    import asyncio
+    import threading
+
+    from omnifleet_runtime.engines import make_engine
+    from omnifleet_runtime.schema import Stage
+
+    prompt, negative = "A red fox in the snow", "blurry, dark"
+
+    def paint(extra: dict) -> bytes:
+        status, body = fleet.http("POST", "/v1/images/generations",
+                                  {"prompt": prompt, "size": "32x32", "seed": 3} | extra)
+        assert status == 200, body
+        return decode_png(base64.b64decode(body["data"][0]["b64_json"]))[3]
+
+    plain, guided = paint({}), paint({"negative_prompt": negative})
+    assert paint({"negative_prompt": negative}) == guided  # seeded, greedy: the same pair, the same image
+    assert guided != plain and guided != paint({"negative_prompt": "bright"})
+    idle(fleet, "thinker")  # the companion left nothing behind in the engine
+
+    pos, neg = direct(fleet, "thinker", [prompt, negative], THINKER)["outputs"]
+    engine = make_engine(Stage.model_validate(painter_stage()), "oracle")
+    asyncio.run(engine.start())
+    try:
+        item = {"prompt": pos["text"], "prompt_token_ids": pos["token_ids"],
+                "negative_prompt": neg["text"], "negative_prompt_token_ids": neg["token_ids"]}
+        out = engine.run(item, {"height": 32, "width": 32, "seed": 3, "n": 1}, threading.Event())
+        unguided = engine.run({k: v for k, v in item.items() if not k.startswith("negative_")},
+                              {"height": 32, "width": 32, "seed": 3, "n": 1}, threading.Event())
+    finally:
+        asyncio.run(engine.shutdown())
+    diff = lambda a, b: max(abs(x - y) for x, y in zip(a, b))  # noqa: E731
+    # Same code and inputs in another process: equal up to float rounding of CPU kernels (one level of 255).
+    assert diff(bytes(out["images"].data), guided) <= 1
+    assert diff(bytes(unguided["images"].data), plain) <= 1
+    assert diff(guided, plain) > 8, "the negative prompt changed the image beyond rounding"
+    report(request.config, "pipeline", f"CFG companion: guided image vs the oracle's: largest pixel difference "
+           f"{diff(bytes(out['images'].data), guided)}; vs the unguided image: {diff(guided, plain)}")
+
+    status, body = fleet.http("POST", "/v1/images/generations", {"prompt": prompt, "negative_prompt": ""})
+    assert status == 400 and "negative_prompt" in body["error"]["message"]
 
 
 def test_stage_pods_serve_their_engines_own_series(fleet):

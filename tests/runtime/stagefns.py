@@ -349,3 +349,52 @@ def counted_entry(inputs, sampling_params, context):
 async def counted_final(inputs, sampling_params, context):
     for i in range(3):
         yield {"text": f"t{i}", "token_ids": [i, i]}
+
+
+# ---- CFG companions (promptExpand): a source whose runs say who they are, a join that sees them all
+
+def cfg_source(inputs, sampling_params, context):
+    """Two chunks per run: the run's id, replica and process, then its prompt and params."""
+    text = prompt_text(inputs)
+    if text == "refuse me":
+        from omnifleet_runtime.engines import BadInput
+
+        raise BadInput("cannot take 'refuse me'")
+    yield {"rid": context.request_id, "replica": context.replica, "pid": os.getpid()}
+    yield {"text": text, "params": sampling_params}
+
+
+async def cfg_held(inputs, sampling_params, context):
+    """A run whose prompt is "hold" waits for the gate; an abort is noted per run id."""
+    try:
+        yield {"rid": context.request_id}
+        if prompt_text(inputs) == "hold":
+            await wait_for("gate")
+        yield {"text": prompt_text(inputs)}
+    except (asyncio.CancelledError, GeneratorExit):
+        mark(f"aborted-{context.request_id}")
+        raise
+
+
+def expand_two(item, sampling_params, request):
+    return [{"role": "negative", "input": request.extra.get("negative_prompt", "")},
+            {"role": "plain", "input": "plain " + prompt_text(item), "sampling_params": {"k": 2}}]
+
+
+def cfg_join(upstream, request):
+    """Whole mode: every input (the request's and its companions') as {name: its chunks merged}."""
+    out = {}
+    for name, chunks in upstream.items():
+        merged = {}
+        for c in chunks:
+            merged.update(c)
+        out[name] = merged
+    return out
+
+
+def cfg_tags(inputs, sampling_params, context):
+    """Stream mode, no input processor: the request's chunks come bare, a companion's as {stage:role: chunk}."""
+    if isinstance(inputs, dict) and len(inputs) == 1 and ":" in next(iter(inputs)):
+        ((name, chunk),) = inputs.items()
+        return f"[{name}]" + ",".join(sorted(chunk))
+    return "[own]" + ",".join(sorted(inputs))

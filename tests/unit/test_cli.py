@@ -77,8 +77,10 @@ def test_validate_names_a_callable_that_does_not_exist():
     doc = yaml.safe_load((SAMPLES / "autoscaled.yaml").read_text())
     doc["spec"]["stages"][0]["entrypoint"] = "omnifleet_runtime.processors:passthrough"
     doc["spec"]["stages"][1]["inputProcessor"] = "omnifleet_runtime.processors:llm_txt"
+    doc["spec"]["stages"][0]["promptExpand"] = "omnifleet_runtime.processors:negative_prompts"
     r = omnifleet("validate", "-f", "-", stdin=yaml.safe_dump(doc))
     assert r.returncode == 1
+    assert "spec.stages[0].promptExpand: 'omnifleet_runtime.processors' has no 'negative_prompts'" in r.stderr
     assert "spec.stages[0].entrypoint: 'omnifleet_runtime.processors' has no 'passthrough'" in r.stderr
     assert "spec.stages[1].inputProcessor: 'omnifleet_runtime.processors' has no 'llm_txt'" in r.stderr
     # --no-import leaves the callables alone.

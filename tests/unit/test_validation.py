@@ -191,6 +191,13 @@ CASES = [
     ("duplicate volume in a pod", _many(_set(S + (1, "volumes"), [{"name": "c", "emptyDir": {}}]),
                                         _set(S + (2, "volumes"), [{"name": "c", "emptyDir": {}}])),
      "spec.stages[2].volumes[0].name", "duplicate volume name 'c'"),
+    ("prompt expansion on a streaming stage", _set(S + (2, "promptExpand"), "pkg.cfg:expand"),
+     "spec.stages[2].promptExpand", "set inputMode: whole"),
+    ("prompt expansion whose companions go nowhere", _many(_set(S + (2, "promptExpand"), "pkg.cfg:expand"),
+                                                            _set(S + (2, "inputMode"), "whole")),
+     "spec.stages[2].promptExpand", "no stage takes this stage's output"),
+    ("prompt expansion not a callable ref", _set(S + (0, "promptExpand"), "no colon"),
+     "spec.stages[0].promptExpand", "pattern"),
     ("master mount of a missing volume", _set(("spec", "master"), {"volumeMounts": [{"name": "x", "mountPath": "/x"}]}),
      "spec.master.volumeMounts[0].name", "no volume named 'x'"),
 ]

@@ -22,11 +22,13 @@ Inputs (one item per request): a dict with the conditioning, one of
 `prompt_embeds` (`wire.Array` [seq, dim] or [batch, seq, dim]),
 `prompt_token_ids` (needs a text encoder) or `prompt` (needs a tokenizer and
 a text encoder), and optionally `sampling_params` overrides; a plain string
-is a `prompt`. No conditioning at all generates unconditionally.
+is a `prompt`. No conditioning at all generates unconditionally. The same
+fields prefixed `negative_` (a CFG companion's output, see companions.py) are
+guidance's unconditional branch.
 
 Sampling params (stage defaults, then per request): `height`, `width`,
 `num_inference_steps`, `guidance_scale` (> 1: classifier-free guidance against
-an all-zero conditioning), `seed` (default 0: the same request gives the same
+the negative conditioning, or an all-zero one without it), `seed` (default 0: the same request gives the same
 image), `n` (images per request).
 
 engineArgs: `device` (default cuda when available, else cpu), `dtype`
@@ -245,23 +247,25 @@ class DiffusionEngine(Engine):
         blocks = getattr(getattr(vae, "config", None), "block_out_channels", None)
         return 2 ** (len(blocks) - 1) if blocks else 1
 
-    def conditioning(self, item: Any) -> Any:
+    def conditioning(self, item: Any, prefix: str = "") -> Any:
+        """The encoder states of the item's `prompt_embeds`, `prompt_token_ids` or `prompt` (those of
+        `negative_prompt_embeds`, ... with prefix "negative_"); None when it has none."""
         torch = self.torch
         if isinstance(item, str):
             item = {"prompt": item}
         if not isinstance(item, dict):
             raise ValueError(f"stage {self.stage.name!r}: expected a dict with prompt_embeds, prompt_token_ids or "
                              f"prompt, got {type(item).__name__}")
-        if isinstance(item.get("prompt_embeds"), Array):
-            emb = to_tensor(item["prompt_embeds"], self.device).to(self.dtype)
+        if isinstance(item.get(f"{prefix}prompt_embeds"), Array):
+            emb = to_tensor(item[f"{prefix}prompt_embeds"], self.device).to(self.dtype)
             return emb if emb.dim() == 3 else emb.unsqueeze(0)
-        ids = item.get("prompt_token_ids")
-        if ids is None and item.get("prompt") is not None:
+        ids = item.get(f"{prefix}prompt_token_ids")
+        if ids is None and item.get(f"{prefix}prompt") is not None:
             tok = self.parts.get("tokenizer")
             if tok is None:
                 raise ValueError(f"stage {self.stage.name!r}: a text prompt needs a tokenizer (tokenizer/ in the "
                                  "model); pass prompt_embeds or prompt_token_ids instead")
-            ids = tok(item["prompt"])["input_ids"]
+            ids = tok(item[f"{prefix}prompt"])["input_ids"]
         if ids is None:
             return None
         enc = self.parts.get("text_encoder")
@@ -293,19 +297,25 @@ class DiffusionEngine(Engine):
             sched.set_timesteps(s["steps"], device=self.device)
             latents = latents * sched.init_noise_sigma
             cfg = s["guidance"] > 1.0 and cond is not None
-            context = torch.cat([torch.zeros_like(cond), cond]) if cfg else cond
+            # The unconditional branch: a negative prompt's states (a CFG companion's output), else zeros.
+            neg = self.conditioning(item, "negative_") if cfg else None
+            if cfg:
+                neg = torch.zeros_like(cond) if neg is None else neg.expand(n, -1, -1) if neg.shape[0] == 1 else neg
+            together = cfg and neg.shape == cond.shape  # one batched call; else one call per branch
+            context = torch.cat([neg, cond]) if together else cond
             m, stage = self.metrics, self.stage.name
             for t in sched.timesteps:
                 if cancelled.is_set():
                     raise Cancelled("aborted")
                 step_t0 = time.perf_counter()
-                x = torch.cat([latents, latents]) if cfg else latents
+                x = torch.cat([latents, latents]) if together else latents
                 x = sched.scale_model_input(x, t)
-                tt = t.expand(x.shape[0]).to(self.device) if torch.is_tensor(t) else torch.full((x.shape[0],), t)
-                eps = den(x, tt, encoder_hidden_states=context)
-                eps = eps.sample if hasattr(eps, "sample") else eps[0] if isinstance(eps, tuple) else eps
-                if cfg:
+                eps = self._denoise(den, x, t, context)
+                if together:
                     uncond, conditioned = eps.chunk(2)
+                elif cfg:
+                    uncond, conditioned = self._denoise(den, sched.scale_model_input(latents, t), t, neg), eps
+                if cfg:
                     eps = uncond + s["guidance"] * (conditioned - uncond)
                 latents = sched.step(eps, t, latents).prev_sample
                 if m is not None:
@@ -322,6 +332,12 @@ class DiffusionEngine(Engine):
         if self.metrics is not None:
             self.metrics.images.inc(n, stage=self.stage.name)
         return {"images": array_of(pixels.contiguous()), "seed": s["seed"]}
+
+    def _denoise(self, den: Any, x: Any, t: Any, context: Any) -> Any:
+        torch = self.torch
+        tt = t.expand(x.shape[0]).to(self.device) if torch.is_tensor(t) else torch.full((x.shape[0],), t)
+        eps = den(x, tt, encoder_hidden_states=context)
+        return eps.sample if hasattr(eps, "sample") else eps[0] if isinstance(eps, tuple) else eps
 
     # ------------------------------------------------------------ control
 
