@@ -73,7 +73,7 @@ GOALS: tuple[Goal, ...] = (
          "(bench/results/2026-11-30-data-plane-profiles: about a thousand Python calls per request in a no-op "
          "stage). The ratio moves with the machine more than with the code: a slower machine slows the raw "
          "round trip more than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at "
-         "e3cd3c6, 14.4x)"),
+         "e3cd3c6, 14.4x; 18.8x at e7d1144)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -84,14 +84,15 @@ GOALS: tuple[Goal, ...] = (
          1.5, label=_SHM_LABEL, why_missed="a fresh file mapped and faulted in per transfer, and a copy on each side"),
     Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
          "<=", 1.2, why_missed="not known: the report's control (1 KiB requests while the same bulk traffic "
-         "flows between two other processes) read 1.94x at 9a5f770, which pointed at memory traffic, and 0.96x "
-         "at e3cd3c6, which does not; the master's bulk profile in the same report is where to look"),
+         "flows between two other processes) read 1.94x at 9a5f770 and 1.59x at e7d1144, which point at memory "
+         "traffic, and 0.96x at e3cd3c6, which does not; the master's bulk profile in the same report is where "
+         "to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.1-2.7 ms in the "
          "same report's co-located column, at every size) is paid on top of a raw handoff of 0.5-0.8 ms at "
          "16-64 MiB, so those sizes sit at the limit and cross it from run to run (1.92x at 84ffd9b, 2.20x "
-         "at e3cd3c6, 2.02x at a346598, the same day); from 256 MiB it meets"),
+         "at e3cd3c6, 2.02x at a346598, the same day; 2.32x at 26aea68, at 16 MiB only); from 256 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
@@ -105,17 +106,20 @@ GOALS: tuple[Goal, ...] = (
          "unencrypted data plane on one connection (the report's last column)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
-         why_missed="not profiled yet; the report's rounds, all clean of outside load, read 0.74-0.93x. Suspected, "
-         "not measured: on the pipeline side the master and both stage loops (the thinker's streamed chunks "
-         "crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
+         why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
+         "0.79-1.34x at 607d7c7 (0.91x, met), 0.54-1.22x at e7d1144 (0.86x; what changed in the llm stage's path "
+         "between them is one branch per chunk). Suspected, not measured: on the pipeline side the master and "
+         "both stage loops (the thinker's streamed chunks crossing to the talker at the runtime's per-hop cost) "
+         "run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
          ("ttfa_over_upstream_ttft_plus_hop",), "<=", 1.5,
          why_missed="the pipeline's own path (HTTP in, the master's dispatch, the thinker's first chunk to the "
          "vocoder, the vocoder's audio to the master, PCM out: three message hops at the runtime's per-hop cost, "
          "the data-plane goal above) adds about 11 ms to the engine's 14.2 ms first token (medians at ef7a9bd: "
          "25.4 ms to first audio, 1.67x; 1.63x with one thinker token per request, so it is not the engine's "
-         "decoding of the rest on the same two cores). Runs on this machine vary widely: at e3cd3c6 1.74x, and "
-         "the run at 607d7c7, rounds from 1.54x to 8.53x, every one counted clean of outside load"),
+         "decoding of the rest on the same two cores). Runs on this machine vary widely: at e3cd3c6 1.74x, "
+         "the run at 607d7c7, rounds from 1.54x to 8.53x, every one counted clean of outside load, and at "
+         "e7d1144 1.53x, rounds 1.45-1.78x"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
