@@ -36,18 +36,26 @@ PYTHONPATH = os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "operator"), str
                               *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
     """A free port below the kernel's ephemeral range: a port picked now and bound later (a master restarted
-    on its ports) cannot be taken meanwhile by another process's bind to port 0."""
+    on its ports) cannot be taken meanwhile by another process's bind to port 0. Never the same port twice
+    in one test run: two picks before either is bound would otherwise collide (a stage pod's ports are all
+    picked before it starts)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
         port = random.randrange(10000, low)
+        if port in _GIVEN:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _GIVEN.add(port)
+        return port
     raise RuntimeError(f"no free port in 10000-{low}")
 
 
