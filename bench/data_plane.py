@@ -866,7 +866,8 @@ def report(res: dict, cfg: dict, quick: bool, files: list[str]) -> str:
                 "(orchestrator.start -> Dispatch to every stage -> Data stage to stage -> Output and Done to "
                 "the master), no HTTP per request. *raw RTT*: DEALER -> ROUTER (echo) -> DEALER, Python on both "
                 "ends, blocking pyzmq (the limit); beside it the same with zmq.asyncio on both ends (as the "
-                "runtime does) and with asyncio driving plain sockets through loop.add_reader. All pipelines "
+                "runtime did before its own socket driver) and through that driver (`zsock`: plain sockets on "
+                "asyncio through loop.add_reader, as the runtime does now). All pipelines "
                 f"and echo servers ran side by side and were measured in {cfg['lat_rounds']} interleaved rounds "
                 "(samples pooled), so the machine's drift hits them alike. `noop` stages are plain functions "
                 "(the runtime runs them in a worker thread); `anoop` are coroutines.", ""]
@@ -877,7 +878,7 @@ def report(res: dict, cfg: dict, quick: bool, files: list[str]) -> str:
             rows.append([f"{size} B", us(r["sync"]["p50"]), us(r["sync"]["p99"]), by_round,
                          us(r["async"]["p50"]), us(r["async"]["p99"]), us(r["reader"]["p50"]), us(r["reader"]["p99"])])
         out += [C.md_table(["message", "raw RTT p50 (us)", "p99", "p50 by round", "zmq.asyncio RTT p50", "p99",
-                            "asyncio + add_reader RTT p50", "p99"], rows), ""]
+                            "zsock RTT p50", "p99"], rows), ""]
         rows = []
         for key, per_size in lat["runs"].items():
             for size, r in per_size.items():

@@ -6,9 +6,8 @@ functions run in the benchmark process.
 
 - zmq-echo: ROUTER echoing each message (the DEALER->ROUTER->DEALER round trip).
   Mode `sync` (blocking pyzmq, the limit), `async` (zmq.asyncio on both ends, the
-  way the runtime does it), or `reader` (asyncio on both ends, but plain sockets
-  driven by loop.add_reader(socket.FD) and non-blocking recv/send until EAGAIN:
-  the cheaper integration the report proposes).
+  way the runtime did it before zsock), or `reader` (asyncio on both ends through
+  the runtime's own zsock: plain sockets driven by loop.add_reader(socket.FD)).
 - tcp-sink: receives [16-byte header: size, t0][size bytes] with recv_into into
   one reused buffer, touches a byte of every page, answers t1 - t0 (one way).
 - zmq-sink: the same over ZMQ PUSH -> PULL, one frame or several per message,
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+
+from omnifleet_runtime import zsock
 
 from .fns import touch
 
@@ -72,23 +73,12 @@ def zmq_echo(port: int, mode: str = "sync") -> None:
     if mode == "reader":
 
         async def serve_reader():
-            ctx = zmq.Context()
-            sock = ctx.socket(zmq.ROUTER)
+            sock = zsock.Socket(zmq.Context(), zmq.ROUTER)
             sock.linger = 0
             sock.bind(f"tcp://127.0.0.1:{port}")
-
-            def drain() -> None:
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        return
-                    sock.send_multipart(frames, copy=False)
-
-            asyncio.get_running_loop().add_reader(sock.FD, drain)
             print("ready", flush=True)
-            drain()
-            await asyncio.Future()
+            while True:
+                sock.send_nowait(await sock.recv_message(8))
 
         asyncio.run(serve_reader())
         return
@@ -189,37 +179,20 @@ def zmq_rtt(port: int, size: int, n: int, warmup: int, time_limit_s: float, mode
     if mode == "reader":
 
         async def run_reader() -> list[float]:
-            loop = asyncio.get_running_loop()
             ctx = zmq.Context()
-            sock = ctx.socket(zmq.DEALER)
+            sock = zsock.Socket(ctx, zmq.DEALER)
             sock.linger = 0
             sock.connect(f"tcp://127.0.0.1:{port}")
-            waiter: list[asyncio.Future] = []
-
-            def drain() -> None:
-                while True:
-                    try:
-                        msg = sock.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        return
-                    if waiter and not waiter[0].done():
-                        waiter.pop().set_result(msg)
-
-            loop.add_reader(sock.FD, drain)
             out: list[float] = []
             deadline = time.monotonic() + time_limit_s
             for i in range(n + warmup):
                 if time.monotonic() > deadline:
                     break
                 t0 = time.perf_counter()
-                fut = loop.create_future()
-                waiter[:] = [fut]
-                sock.send(payload, copy=False)
-                drain()  # a send can consume the FD's edge: look once before waiting
-                await asyncio.wait_for(fut, 10)
+                await sock.send([payload])
+                await asyncio.wait_for(sock.recv_message(8), 10)
                 if i >= warmup:
                     out.append(time.perf_counter() - t0)
-            loop.remove_reader(sock.FD)
             sock.close()
             ctx.term()
             return out

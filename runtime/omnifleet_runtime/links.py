@@ -14,10 +14,8 @@ import logging
 from typing import Any, Callable
 
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
-from . import stripes
+from . import stripes, zsock
 
 log = logging.getLogger("omnifleet.links")
 
@@ -25,34 +23,35 @@ HANDSHAKE_WAIT_S = 5.0  # a connection not up by then ends the growing; the ones
 
 
 class Link:
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, streams: int, secure: Callable[[zmq.Socket], None],
+    def __init__(self, ctx: zmq.Context, addr: str, streams: int, secure: Callable[[zmq.Socket], None],
                  encrypted: bool = True):
         self.ctx, self.addr, self.secure = ctx, addr, secure
         # Over one connection, pieces pay off only when encrypting; unencrypted, a whole frame needs no
         # reassembly copy.
         self.pieces_alone = encrypted
         self.io_threads = max(1, ctx.get(zmq.IO_THREADS))
-        self.socks: list[zmq.asyncio.Socket] = []
+        self.socks: list[zsock.Socket] = []
         first = self._socket(0)
         # the first handshake too must be done before the second connect
-        monitor = first.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) if streams > 1 else None
+        monitor = zsock.Socket.wrap(first.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)) if streams > 1 else None
         first.connect(addr)
         self.grow = None if monitor is None else asyncio.get_running_loop().create_task(
             self._grow(streams, first, monitor))
         self.socks.append(first)
         self.up = 1  # socks[:up] carry messages; the one after them may be handshaking
 
-    def _socket(self, i: int) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.PUSH)
+    def _socket(self, i: int) -> zsock.Socket:
+        sock = zsock.Socket(self.ctx, zmq.PUSH)
         sock.linger = 0
         sock.setsockopt(zmq.AFFINITY, 1 << (i % self.io_threads))
         self.secure(sock)
         return sock
 
-    async def _handshake(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> bool:
+    async def _handshake(self, sock: zsock.Socket, monitor: zsock.Socket) -> bool:
         try:
             while True:
-                event = parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), HANDSHAKE_WAIT_S))
+                event = zsock.monitor_event(await asyncio.wait_for(monitor.recv_message(zsock.MONITOR_FRAMES),
+                                                                   HANDSHAKE_WAIT_S))
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     return True
         except asyncio.TimeoutError:
@@ -61,13 +60,13 @@ class Link:
             sock.disable_monitor()
             monitor.close(linger=0)
 
-    async def _grow(self, streams: int, first: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+    async def _grow(self, streams: int, first: zsock.Socket, monitor: zsock.Socket) -> None:
         if not await self._handshake(first, monitor):
             log.warning("data link to %s: no handshake in %gs; one connection only", self.addr, HANDSHAKE_WAIT_S)
             return
         for i in range(1, streams):
             sock = self._socket(i)
-            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            monitor = zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
             sock.connect(self.addr)
             self.socks.append(sock)  # closed with the link even while handshaking
             if not await self._handshake(sock, monitor):
@@ -80,9 +79,9 @@ class Link:
     async def send(self, frames: list[Any], nbytes: int) -> None:
         if nbytes >= stripes.STRIPE_MIN_BYTES and (self.up > 1 or self.pieces_alone):
             for sock, part in zip(self.socks, stripes.split(frames, self.up)):
-                await sock.send_multipart(part, copy=False)
+                await sock.send(part)
         else:
-            await self.socks[0].send_multipart(frames, copy=False)
+            await self.socks[0].send(frames)
 
     def close(self) -> None:
         if self.grow is not None:

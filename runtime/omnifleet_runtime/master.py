@@ -16,12 +16,10 @@ import time
 import uuid
 
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 from aiohttp import web
 
 from . import constants as C
-from . import security, wire
+from . import security, wire, zsock
 from .admin import Admin
 from .api import Api
 from .config import config_hash
@@ -73,14 +71,16 @@ class Master:
         self.metrics.demand = self.orch.demand
         self.api = Api(doc, self.orch, lambda: self.metrics.render(self.membership, self.stage_names), api_key)
         self.admin = Admin(doc, self.orch, admin_token, control_timeout_s)
-        self.sock: zmq.asyncio.Socket | None = None
+        self.sock: zsock.Socket | None = None
 
     # ------------------------------------------------------------ sending
 
     def send(self, identity: bytes, msg: wire.Msg) -> None:
         """Queue msg for one replica; a ROUTER never blocks (unknown peers are dropped)."""
-        fut = self.sock.send_multipart([identity, *wire.encode(msg)], copy=False)
-        fut.add_done_callback(_log_send_error)
+        try:
+            self.sock.send_nowait([identity, *wire.encode(msg)])
+        except zmq.ZMQError as e:
+            log.warning("send failed: %s", e)
 
     # ------------------------------------------------------------ receiving
 
@@ -93,8 +93,6 @@ class Master:
             except security.Oversized as e:
                 log.warning("dropped a message on the control port: %s", e)
                 self.metrics.dropped_messages.inc(socket="control")
-                continue
-            if frames is None:
                 continue
             try:
                 self._handle(frames)
@@ -239,10 +237,10 @@ class Master:
                 self.send(rep.identity, beat)
             await asyncio.sleep(self.heartbeat_interval_s)
 
-    async def _disconnect_loop(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _disconnect_loop(self, monitor: zsock.Socket) -> None:
         """A closed connection is a replica gone now, not after the heartbeat timeout."""
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
+            event = zsock.monitor_event(await monitor.recv_message(zsock.MONITOR_FRAMES))
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             # What the replica sent before it closed (a last Done, its Deregister)
@@ -303,13 +301,13 @@ class Master:
         await asyncio.sleep(max(0.0, linger_until - time.monotonic()))
 
     async def serve(self, stop: asyncio.Event, drain_timeout_s: float = 0.0, drain_linger_s: float = 0.0) -> None:
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         self.auth = security.start_authenticator(ctx, self.keys)  # before the bind: no handshake goes unchecked
         self.metrics.auth_refused = lambda: self.auth.refused
-        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock = zsock.Socket(ctx, zmq.ROUTER)
         self.sock.linger = 0
         security.secure_server(self.sock, self.keys, security.CURVE, self.max_frame_bytes)
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = zsock.Socket.wrap(self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         self.sock.bind(f"tcp://{self.host}:{self.control_port}")
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=2.0)
@@ -368,11 +366,6 @@ def _peer_address(frame) -> str | None:
         return str(ipaddress.ip_address(frame.get("Peer-Address")))
     except (zmq.ZMQError, ValueError, AttributeError):
         return None  # not over TCP (ipc, inproc): nothing to compare
-
-
-def _log_send_error(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("send failed: %s", fut.exception())
 
 
 def run_master(doc: OmniPipeline, drain_timeout_s: float = C.MASTER_DRAIN_TIMEOUT_S,

@@ -29,6 +29,8 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from . import constants as C
+from . import zsock
+from .zsock import Oversized  # noqa: F401 (callers catch security.Oversized)
 
 log = logging.getLogger("omnifleet.security")
 
@@ -124,37 +126,10 @@ def _limits(sock: zmq.Socket, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # the peer is disconnected before the frame is allocated
 
 
-class Oversized(Exception):
-    """A message over the frame count or byte total; it was read and dropped."""
-
-
-async def recv_bounded(sock, max_frames: int = C.MAX_FRAMES, max_bytes: int | None = None) -> list | None:
-    """One multipart message, frame by frame, as zero-copy frames (None: the wake-up held none; call again).
-
-    Past max_frames frames (or max_bytes in all) the rest of the message is
-    read and let go at once, never held, and Oversized is raised.
-    """
-    try:
-        first = await sock.recv(copy=False)
-    except zmq.Again:
-        return None  # a CURVE socket can report readiness with no message (after a handshake): none after all
-    if not first.more:
-        return [first]
-    # The rest of a multipart message is already here (ZMQ delivers it whole). Read through the same
-    # asyncio socket: reading around it (a shadow socket) leaves its readiness state wrong.
-    frames, total, over, more = [first], len(first), False, True
-    while more:
-        frame = await sock.recv(copy=False)
-        more = frame.more
-        total += len(frame)
-        if over or len(frames) >= max_frames or (max_bytes is not None and total > max_bytes):
-            over = True
-            continue
-        frames.append(frame)
-    if over:
-        raise Oversized(f"a message of more than {max_frames} frames"
-                        + (f" or {max_bytes} bytes" if max_bytes is not None else "") + " was dropped")
-    return frames
+async def recv_bounded(sock: zsock.Socket, max_frames: int = C.MAX_FRAMES, max_bytes: int | None = None) -> list:
+    """One multipart message as zero-copy frames. Past max_frames frames (or max_bytes in all) the rest of
+    the message is read and let go at once, never held, and Oversized is raised."""
+    return await sock.recv_message(max_frames, max_bytes)
 
 
 def secure_server(sock: zmq.Socket, keys: Keys, mode: str = CURVE,

@@ -39,12 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import zmq
-import zmq.asyncio
 from aiohttp import web
-from zmq.utils.monitor import parse_monitor_message
 
 from . import constants as C
-from . import companions, discovery, security, shm, stripes, tracing, wire
+from . import companions, discovery, security, shm, stripes, tracing, wire, zsock
 from .links import Link
 from .engines import BadInput, Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .metrics import CONTENT_TYPE, StageMetrics, audio_seconds
@@ -78,7 +76,7 @@ class MasterSession:
     # Still among the masters found. One no longer found keeps serving while its connection lives (a
     # draining master leaves DNS first, then finishes what it holds) and is not dialled again.
     wanted: bool = True
-    sock: zmq.asyncio.Socket | None = None  # set while registered
+    sock: zsock.Socket | None = None  # set while registered
     master_id: str = ""
     task: asyncio.Task | None = None
 
@@ -268,9 +266,9 @@ class StageWorker:
             self.slots = asyncio.Semaphore(int(self.engine.max_concurrency))
         # One I/O thread per data stream: each connection's encryption (and the receiver's decryption of
         # its parts) runs on a core of its own.
-        self.ctx = zmq.asyncio.Context(io_threads=self.streams)
+        self.ctx = zmq.Context(io_threads=self.streams)
         self.auth = security.start_authenticator(self.ctx, self.keys)  # before the bind: no handshake unchecked
-        self.data = self.ctx.socket(zmq.PULL)
+        self.data = zsock.Socket(self.ctx, zmq.PULL)
         self.data.linger = 0
         security.secure_server(self.data, self.keys, self.data_plane, self.max_frame_bytes)
         if self.data_port:
@@ -375,7 +373,10 @@ class StageWorker:
         if sock is None or sock.closed:
             return
         try:
-            await sock.send_multipart(frames, copy=False, flags=0 if block else zmq.NOBLOCK)
+            if block:
+                await sock.send(frames)
+            else:
+                sock.send_nowait(frames)
         except zmq.Again:
             pass  # heartbeats are not queued while the master is unreachable
         except zmq.ZMQError as e:
@@ -435,12 +436,12 @@ class StageWorker:
         # A draining worker with no master has nothing left to finish; one no longer found is not dialled.
         while not self.draining and session.wanted:
             await asyncio.sleep(backoff)
-            sock = self.ctx.socket(zmq.DEALER)
+            sock = zsock.Socket(self.ctx, zmq.DEALER)
             sock.linger = 0
             sock.immediate = True  # queue nothing for a master that is not connected
             security.secure_client(sock, self.keys, security.CURVE, C.MAX_CONTROL_FRAME_BYTES)  # control: always CURVE
             sock.routing_id = f"{self.stage.name}/{self.replica}/{uuid.uuid4().hex[:8]}".encode()
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             sock.connect(session.addr)
             try:
                 session.master_id = await self._register(sock)
@@ -466,7 +467,7 @@ class StageWorker:
                 monitor.close(linger=0)
                 sock.close(linger=500 if self.draining else 0)  # let a Deregister leave
 
-    async def _register(self, sock: zmq.asyncio.Socket) -> str:
+    async def _register(self, sock: zsock.Socket) -> str:
         reg = wire.Register(
             stage=self.stage.name, replica=self.replica, protocol_version=C.PROTOCOL_VERSION,
             config_hash=self.config_hash, data_addr=self.data_addr, pid=os.getpid(), engine=self.stage.type,
@@ -474,7 +475,7 @@ class StageWorker:
         wait = 0.05
         while True:
             try:
-                await sock.send_multipart(wire.encode(reg), flags=zmq.NOBLOCK)
+                sock.send_nowait(wire.encode(reg))
             except zmq.Again:
                 pass  # not connected yet
             deadline = time.monotonic() + wait
@@ -488,12 +489,9 @@ class StageWorker:
                         raise Refused(msg.reason)
                     return msg.master_id
 
-    async def _serve_master(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket,
+    async def _serve_master(self, sock: zsock.Socket, monitor: zsock.Socket,
                             session: MasterSession) -> str:
         """Handle the master's messages until it is lost; returns why the session ended."""
-        poller = zmq.asyncio.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         last_seen = next_beat = time.monotonic()
         interval, timeout = self.heartbeat_interval_s, self.heartbeat_timeout_s
         watch = StallWatch(interval)  # this loop wakes at least once per interval
@@ -510,9 +508,9 @@ class StageWorker:
             if now - last_seen > timeout and not await sock.poll(0):
                 return f"no heartbeat from the master for {timeout:g}s"
             wait = max(0.0, min(next_beat, last_seen + timeout) - now)
-            ready = dict(await poller.poll((min(wait, DISCONNECT_CHECK_S) if checks else wait) * 1000 + 1))
+            ready = await zsock.readable([sock, monitor], (min(wait, DISCONNECT_CHECK_S) if checks else wait) + 0.001)
             if monitor in ready:
-                event = parse_monitor_message(await monitor.recv_multipart())
+                event = zsock.monitor_event(await monitor.recv_message(zsock.MONITOR_FRAMES))
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     checks = DISCONNECT_CHECKS
             if checks:
@@ -538,15 +536,15 @@ class StageWorker:
             except Exception:  # a bug with one request must not end the session
                 log.exception("error handling %s", type(msg).__name__)
 
-    async def _connected(self, sock: zmq.asyncio.Socket) -> bool:
+    async def _connected(self, sock: zsock.Socket) -> bool:
         """Whether the control socket has a live connection: with `immediate` set, a send succeeds only then."""
         try:
-            await sock.send_multipart(wire.encode(self._heartbeat()), copy=False, flags=zmq.NOBLOCK)
+            sock.send_nowait(wire.encode(self._heartbeat()))
             return True
         except zmq.ZMQError:  # EAGAIN: no connection (or its queue is full: a master that reads nothing)
             return False
 
-    async def _recv_control(self, sock: zmq.asyncio.Socket) -> wire.Msg | None:
+    async def _recv_control(self, sock: zsock.Socket) -> wire.Msg | None:
         try:
             frames = await security.recv_bounded(sock)
         except security.Oversized as e:
@@ -850,7 +848,7 @@ class StageWorker:
             sock = job.session.sock if job.session is not None else None
             if sock is None:
                 raise ConnectionError("the master is gone")
-            await sock.send_multipart(frames, copy=False)
+            await sock.send(frames)
 
     def _transfer(self, job: Job, route: str, transport: str, nbytes: int) -> None:
         """Count a chunk into the request's transfer span for this route (started at its first chunk)."""
