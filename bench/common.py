@@ -39,10 +39,18 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ---------------------------------------------------------------- small helpers
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port, never the same one twice in one run (two picks before either is bound would collide)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -568,7 +576,7 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
 
 CATEGORIES = (  # (label, test on the function's file or name), first match wins
     ("waiting in epoll (should be ~0: the clock is CPU time)", lambda f, n: "epoll" in n or "select" in n and f == "~"),
-    ("pyzmq zmq.asyncio layer (_future.py, sugar)", lambda f, n: "/zmq/" in f),
+    ("pyzmq (sugar, and zmq.asyncio where used)", lambda f, n: "/zmq/" in f),
     ("enum flag arithmetic (called by pyzmq)", lambda f, n: f.endswith("enum.py")),
     ("ZMQ send/recv calls (C)", lambda f, n: f == "~" and ("zmq" in n or "Socket" in n or "Frame" in n)),
     ("msgspec encode/decode (C)", lambda f, n: f == "~" and "msgspec" in n),

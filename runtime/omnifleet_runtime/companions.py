@@ -24,6 +24,7 @@ from .engines import BadInput, Engine, EngineRequest
 
 ROLE = re.compile(r"^[a-z0-9_]{1,32}$")
 MAX_COMPANIONS = 8
+QUEUE_CHUNKS = 16  # chunks of a request and its companions made but not yet sent on
 _END = object()
 
 
@@ -64,29 +65,32 @@ async def run(engine: Engine, fn: Callable, request: EngineRequest) -> AsyncIter
     """(role, chunk) of the request ("") and of its companions, as the engine makes them."""
     items = [item async for item in request.inputs]  # whole input: at most one item
     companions = expand(fn, items[0], request) if items else []
+    own = EngineRequest(request.request_id, _items(items), request.sampling_params, request.info)
     if not companions:
-        async for out in engine.generate(EngineRequest(request.request_id, _items(items), request.sampling_params,
-                                                       request.info)):
+        async for out in engine.generate(own):
             yield "", out
         return
-    runs = [("", request.request_id, EngineRequest(request.request_id, _items(items), request.sampling_params,
-                                                    request.info))]
-    runs += [(c.role, f"{request.request_id}__{c.role}",
-              EngineRequest(f"{request.request_id}__{c.role}", _items([c.input]), c.sampling_params, request.info))
-             for c in companions]
+    runs = [("", own)] + [
+        (c.role, EngineRequest(f"{request.request_id}__{c.role}", _items([c.input]), c.sampling_params, request.info))
+        for c in companions]
+    # Chunks made but not yet sent on are bounded: an engine faster than the stage's sending waits, as it
+    # does without companions (where the stage pulls each chunk from the engine itself). Ends and errors
+    # never wait for room.
     queue: asyncio.Queue = asyncio.Queue()
+    room = asyncio.Semaphore(QUEUE_CHUNKS)
     finished: set[str] = set()
 
     async def drive(role: str, req: EngineRequest) -> None:
         try:
             async for out in engine.generate(req):
+                await room.acquire()
                 queue.put_nowait((role, out))
             finished.add(req.request_id)
             queue.put_nowait((role, _END))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which ends every run
             queue.put_nowait((role, e))
 
-    tasks = [asyncio.create_task(drive(role, req)) for role, _, req in runs]
+    tasks = [asyncio.create_task(drive(role, req)) for role, req in runs]
     try:
         left = len(tasks)
         while left:
@@ -100,14 +104,15 @@ async def run(engine: Engine, fn: Callable, request: EngineRequest) -> AsyncIter
             elif isinstance(out, BaseException):
                 raise out
             else:
+                room.release()
                 yield role, out
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _, rid, _ in runs:  # the engine frees whatever an unfinished run holds
-            if rid not in finished and engine.dead() is None:
-                await engine.abort(rid)
+        for _, req in runs:  # the engine frees whatever an unfinished run holds
+            if req.request_id not in finished and engine.dead() is None:
+                await engine.abort(req.request_id)
 
 
 async def _items(items: list[Any]) -> AsyncIterator[Any]:

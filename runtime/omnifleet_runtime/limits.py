@@ -157,9 +157,7 @@ class RequestCheck:
                                  "(a stage's promptExpand, e.g. omnifleet_runtime.processors:negative_prompt)")
             if not isinstance(negative, str) or not negative:
                 raise BadRequest("'negative_prompt' must be a non-empty string")
-            if len(negative) > self.limits.max_prompt_chars:
-                raise BadRequest(f"'negative_prompt' is longer than {self.limits.max_prompt_chars} characters "
-                                 "(spec.master.limits.maxPromptChars)")
+            self._bounded("negative_prompt", len(negative))
         options = body.get("stream_options")
         if options is not None and (not isinstance(options, dict) or any(
                 k != "include_usage" or not isinstance(v, bool) for k, v in options.items())):
@@ -171,9 +169,7 @@ class RequestCheck:
             prompt = body.get("prompt")
             if prompt is None:
                 raise BadRequest("'prompt' is required")
-            if json_size(prompt, "prompt") > self.limits.max_prompt_chars:
-                raise BadRequest(f"'prompt' is longer than {self.limits.max_prompt_chars} characters "
-                                 "(spec.master.limits.maxPromptChars)")
+            self._bounded("prompt", json_size(prompt, "prompt"))
             if isinstance(prompt, dict):  # an llm entry stage reads per-item sampling params from it
                 self._template_kwargs(prompt.get("chat_template_kwargs"), "prompt.chat_template_kwargs")
                 if prompt.get("sampling_params") is not None:
@@ -185,14 +181,17 @@ class RequestCheck:
             text = body.get(key)
             if not isinstance(text, str) or not text:
                 raise BadRequest(f"{key!r} is required (a string)")
-            if len(text) > self.limits.max_prompt_chars:
-                raise BadRequest(f"{key!r} is longer than {self.limits.max_prompt_chars} characters "
-                                 "(spec.master.limits.maxPromptChars)")
+            self._bounded(key, len(text))
         # Fields the stages never read still travel; bound them all together.
         total = json_size(body, "body")
         if total > self.limits.max_prompt_chars * 2 + 65536:
             raise BadRequest(f"the body holds more than {self.limits.max_prompt_chars * 2 + 65536} characters")
         self.timeout(body)
+
+    def _bounded(self, field: str, chars: int) -> None:
+        if chars > self.limits.max_prompt_chars:
+            raise BadRequest(f"{field!r} is longer than {self.limits.max_prompt_chars} characters "
+                             "(spec.master.limits.maxPromptChars)")
 
     def timeout(self, body: dict[str, Any]) -> float:
         """The request's deadline in seconds: the pipeline's, or the request's own `timeout` within the cap."""

@@ -98,3 +98,39 @@ def test_an_abort_ends_the_request_and_its_companion_in_the_engine(make_fleet):
     # The one replica is free again: the next pair runs to the end.
     out = fleet.openai().completions.create(model="test", prompt="go", extra_body={"negative_prompt": "n"})
     assert sorted(json.loads(out.choices[0].text)) == ["src", "src:negative"]
+
+
+async def test_an_engine_faster_than_the_stage_waits_for_it():
+    """In process, with an engine of the stage's interface: chunks of a request and its companions made
+    but not yet taken by the stage stay bounded, and every one still arrives, in order per run."""
+    import asyncio
+
+    from omnifleet_runtime import companions
+    from omnifleet_runtime.engines import Engine, EngineRequest
+    from omnifleet_runtime.wire import RequestInfo
+
+    made: dict[str, int] = {}
+
+    class Fast(Engine):
+        async def generate(self, request: EngineRequest):
+            async for _ in request.inputs:
+                pass
+            for i in range(200):
+                made[request.request_id] = made.get(request.request_id, 0) + 1
+                yield i
+
+    def two(item, params, info):
+        return [{"role": "negative", "input": "n"}, {"role": "extra", "input": "e"}]
+
+    async def one_item():
+        yield "p"
+
+    got: dict[str, list[int]] = {}
+    request = EngineRequest("r1", one_item(), {}, RequestInfo(request_id="r1", kind="completion", model="m"))
+    taken = 0
+    async for role, out in companions.run(Fast(), two, request):
+        got.setdefault(role, []).append(out)
+        taken += 1
+        await asyncio.sleep(0)  # the stage sending on: every run gets to make chunks meanwhile
+        assert sum(made.values()) - taken <= companions.QUEUE_CHUNKS + 3
+    assert got == {"": list(range(200)), "negative": list(range(200)), "extra": list(range(200))}

@@ -314,7 +314,7 @@ class DiffusionEngine(Engine):
                 if together:
                     uncond, conditioned = eps.chunk(2)
                 elif cfg:
-                    uncond, conditioned = self._denoise(den, sched.scale_model_input(latents, t), t, neg), eps
+                    uncond, conditioned = self._denoise(den, x, t, neg), eps  # x: these latents, scaled
                 if cfg:
                     eps = uncond + s["guidance"] * (conditioned - uncond)
                 latents = sched.step(eps, t, latents).prev_sample
