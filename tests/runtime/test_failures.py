@@ -189,7 +189,7 @@ def test_control_call_to_a_replica_that_dies_is_answered_at_once(make_fleet):
 def test_a_flood_of_outputs_leaves_the_master_responsive(make_fleet):
     """A stage streams tiny chunks as fast as it can; the master still answers HTTP meanwhile.
 
-    pyzmq's asyncio receive does not yield while messages are queued, so a
+    A receive that finds a message queued returns without yielding, so a
     receive loop over a backlog held heartbeats and HTTP until it was empty
     (and the stage judged the master lost mid-request).
     """
