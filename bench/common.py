@@ -506,9 +506,9 @@ def today() -> str:
     return dt.date.today().isoformat()
 
 
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
-                          timeout=30).stdout.strip()
+def git(*args: str, strip: bool = True) -> str:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30).stdout
+    return out.strip() if strip else out  # porcelain lines start with a status column that may be a space
 
 
 def provenance(section: str, ref: str | None = None) -> dict[str, Any]:
@@ -518,7 +518,7 @@ def provenance(section: str, ref: str | None = None) -> dict[str, Any]:
     from .goals import MEASURES
 
     paths = list(MEASURES[section])
-    dirty = [line[3:] for line in git("status", "--porcelain", "--", *paths).splitlines() if line.strip()]
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", *paths, strip=False).splitlines() if line.strip()]
     if ref not in (None, "", "worktree"):
         dirty = [p for p in dirty if not p.startswith(("runtime/", "operator/"))]  # those ran from the ref
     return {"commit": git("rev-parse", ref if ref not in (None, "", "worktree") else "HEAD"), "dirty": dirty,
