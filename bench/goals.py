@@ -69,41 +69,51 @@ _CP_PROFILES = "bench/results/2026-11-30-control-plane-profiles"
 
 GOALS: tuple[Goal, ...] = (
     Goal("per hop through the HTTP API / raw ZMQ round trip", "data_plane", ("per_hop_http_over_raw_zmq_rtt",),
-         "<=", 2.0, why_missed="the master's and stages' asyncio/pyzmq layering per message "
-         "(bench/results/2026-11-30-data-plane-profiles: about a thousand Python calls per request in a no-op "
-         "stage). The ratio moves with the machine more than with the code: a slower machine slows the raw "
-         "round trip more than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at "
-         "e3cd3c6, 14.4x; 18.8x at e7d1144)"),
+         "<=", 2.0, why_missed="the master's and stages' asyncio layering per message. Since the runtime drives "
+         "its sockets itself (zsock, 2496c68, in place of zmq.asyncio's Future and flag enums per frame), the "
+         "hop fell from 2.5 to 2.0 ms and the runtime's CPU per hop from 3.4 to 2.6 ms (e7d1144 to b7072fa, "
+         "same machine); what the profiles (bench/results/2026-12-02-data-plane-profiles) give the rest: the "
+         "event loop's own turns, the runtime's per-message code, the worker-thread hand-off of plain stage "
+         "functions, and in the master HTTP: about a thousand Python calls per request in a no-op stage. The "
+         "ratio moves with the machine more than with the code: a slower machine slows the raw round trip more "
+         "than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at e3cd3c6, 14.4x)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
-         why_missed="a page fault per received page: glibc maps each large frame afresh; the report's "
-         "experiments (malloc keeping freed memory with 4 MiB frames) read 0.23-0.38x at 9a5f770 and 0.20-0.26x "
-         "at e3cd3c6, so that is not all of it"),
+         why_missed="measured since b7072fa with data-port encryption off, as the goal asks (earlier figures, "
+         "0.20-0.28x, carried CurveZMQ, the default: it reads 0.21-0.31x beside it in the same report). What "
+         "is left: a frame of 8 MiB or more crosses split over 8 connections and the receiver copies the pieces "
+         "into one fresh buffer, faulting in every page; the producer's own 4 MiB frames, handed on as "
+         "received, read 0.84-1.42x at 64-256 MiB in the same run (0.52x at 16 MiB, where the fixed cost per "
+         "request weighs most)"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
-         1.5, label=_SHM_LABEL, why_missed="a fresh file mapped and faulted in per transfer, and a copy on each side"),
+         1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
+         "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the consumer, its wake-up and "
+         "the hand-off to the callable, 1-2 ms: the per-hop figure above) is as large as the copies"),
     Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
          "<=", 1.2, why_missed="not known: the report's control (1 KiB requests while the same bulk traffic "
-         "flows between two other processes) read 1.94x at 9a5f770 and 1.59x at e7d1144, which point at memory "
-         "traffic, and 0.96x at e3cd3c6, which does not; the master's bulk profile in the same report is where "
+         "flows between two other processes) read 1.94x at 9a5f770, 1.59x at e7d1144 and 1.54x at b7072fa (1.50x "
+         "without it), which point at memory traffic, and 0.96x at e3cd3c6, which does not; the master's bulk profile in the same report is where "
          "to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
-         why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.1-2.7 ms in the "
-         "same report's co-located column, at every size) is paid on top of a raw handoff of 0.5-0.8 ms at "
-         "16-64 MiB, so those sizes sit at the limit and cross it from run to run (1.92x at 84ffd9b, 2.20x "
-         "at e3cd3c6, 2.02x at a346598, the same day; 2.32x at 26aea68, at 16 MiB only); from 256 MiB it meets"),
+         why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.4-1.5 ms in the "
+         "same report's co-located column at b7072fa, 1.1-2.7 ms before the runtime drove its sockets itself) is "
+         "paid on top of a raw handoff of 0.5-0.8 ms at 16-64 MiB, so those sizes sit at the limit and cross it "
+         "from run to run (1.92x at 84ffd9b, 2.20x at e3cd3c6, 2.02x at a346598, the same day; 2.32x at "
+         "26aea68; 2.46x at b7072fa); from 256 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most; from 64 MiB the split data path "
-         "(8 streams) outruns the raw one-frame link (2.3-3.2x)"),
+         "(8 streams) outruns the raw one-frame link (3.0-3.5x at b7072fa)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
          "unencrypted path (the same report's raw ceiling: 0.17-0.23x at every K), and plain-auth gains as much from "
          "the same streams; what the streams give CurveZMQ: 1.3-3.6 GiB/s with the default 8, 0.50-1.32x the "
-         "unencrypted data plane on one connection (the report's last column)"),
+         "unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at 26aea68, 0.36x at "
+         "b7072fa"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
@@ -118,8 +128,9 @@ GOALS: tuple[Goal, ...] = (
          "the data-plane goal above) adds about 11 ms to the engine's 14.2 ms first token (medians at ef7a9bd: "
          "25.4 ms to first audio, 1.67x; 1.63x with one thinker token per request, so it is not the engine's "
          "decoding of the rest on the same two cores). Runs on this machine vary widely: at e3cd3c6 1.74x, "
-         "the run at 607d7c7, rounds from 1.54x to 8.53x, every one counted clean of outside load, and at "
-         "e7d1144 1.53x, rounds 1.45-1.78x"),
+         "the run at 607d7c7, rounds from 1.54x to 8.53x, every one counted clean of outside load, at "
+         "e7d1144 1.53x, rounds 1.45-1.78x, and at e0493b0 1.57x, rounds 1.45-1.71x: the runtime driving its "
+         "sockets itself, which took a fifth off the data plane's hop, did not move it"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
