@@ -89,8 +89,8 @@ class Master:
         while True:
             await turns.take()
             try:
-                frames = await security.recv_bounded(self.sock)
-            except security.Oversized as e:
+                frames = await self.sock.recv_message(C.MAX_FRAMES)
+            except zsock.Oversized as e:
                 log.warning("dropped a message on the control port: %s", e)
                 self.metrics.dropped_messages.inc(socket="control")
                 continue
@@ -215,6 +215,7 @@ class Master:
             return e.errno != zmq.EHOSTUNREACH
         finally:
             probe.router_mandatory = 0
+            self.sock.recheck()  # the probe's send may have taken the signal the receive loop waits for
 
     # ------------------------------------------------------------ liveness
 
@@ -246,7 +247,7 @@ class Master:
             # What the replica sent before it closed (a last Done, its Deregister)
             # is still queued: let the receive loop read it first (bounded: others keep sending).
             for _ in range(DRAIN_POLLS):
-                if not self.sock.get(zmq.EVENTS) & zmq.POLLIN:
+                if not self.sock.events() & zmq.POLLIN:
                     break
                 await asyncio.sleep(0.001)
             self._drop_unroutable()
@@ -270,6 +271,7 @@ class Master:
                         gone.append(rep)
         finally:
             probe.router_mandatory = 0
+            self.sock.recheck()
         for rep in gone:
             if self.membership.leave(rep.identity) is not None:
                 log.warning("replica %s lost: its connection closed", rep)

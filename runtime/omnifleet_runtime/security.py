@@ -29,8 +29,6 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from . import constants as C
-from . import zsock
-from .zsock import Oversized  # noqa: F401 (callers catch security.Oversized)
 
 log = logging.getLogger("omnifleet.security")
 
@@ -124,12 +122,6 @@ def start_authenticator(ctx: zmq.Context, keys: Keys) -> PipelineAuthenticator:
 
 def _limits(sock: zmq.Socket, max_frame_bytes: int) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # the peer is disconnected before the frame is allocated
-
-
-async def recv_bounded(sock: zsock.Socket, max_frames: int = C.MAX_FRAMES, max_bytes: int | None = None) -> list:
-    """One multipart message as zero-copy frames. Past max_frames frames (or max_bytes in all) the rest of
-    the message is read and let go at once, never held, and Oversized is raised."""
-    return await sock.recv_message(max_frames, max_bytes)
 
 
 def secure_server(sock: zmq.Socket, keys: Keys, mode: str = CURVE,

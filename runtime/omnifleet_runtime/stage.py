@@ -546,12 +546,10 @@ class StageWorker:
 
     async def _recv_control(self, sock: zsock.Socket) -> wire.Msg | None:
         try:
-            frames = await security.recv_bounded(sock)
-        except security.Oversized as e:
+            frames = await sock.recv_message(C.MAX_FRAMES)
+        except zsock.Oversized as e:
             log.warning("dropped a message on the control connection: %s", e)
             self.dropped += 1
-            return None
-        if frames is None:
             return None
         try:
             return wire.decode(frames)
@@ -881,12 +879,10 @@ class StageWorker:
         while True:
             await turns.take()
             try:
-                frames = await security.recv_bounded(self.data)
-            except security.Oversized as e:
+                frames = await self.data.recv_message(C.MAX_FRAMES)
+            except zsock.Oversized as e:
                 log.warning("dropped a message on the data port: %s", e)
                 self.dropped += 1
-                continue
-            if frames is None:
                 continue
             if not stripes.is_part(frames[0]):
                 self._on_data(frames)

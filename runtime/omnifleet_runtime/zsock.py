@@ -10,9 +10,10 @@ write) waits, on one Future.
 ZMQ_FD is not the socket's readiness: it signals that ZMQ_EVENTS should be
 read again, and reading ZMQ_EVENTS, or any send or receive, can consume that
 signal. So the reader callback always reads EVENTS (else the loop, which polls
-level-triggered, would spin on the signal), a waiter checks EVENTS before it
-sleeps, and after any operation that could have consumed a signal someone
-else waits for, EVENTS is checked again on the next loop turn.
+level-triggered, would spin on the signal); every read of EVENTS (`events()`)
+wakes whoever waits for what it shows, since the signal that would have woken
+them may be the one it took; and after a send or receive (or a use of the
+plain socket, `recheck()`), EVENTS is read again on the next loop turn.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-EVENTS, POLLIN, POLLOUT, NOBLOCK, SNDMORE = (int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK),
-                                             int(zmq.SNDMORE))
+EVENTS, POLLIN, POLLOUT, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.NOBLOCK)
 
 
 class Socket:
@@ -57,31 +57,36 @@ class Socket:
 
     # ------------------------------------------------------------ readiness
 
+    def events(self) -> int:
+        """ZMQ_EVENTS now. Whoever waits for what it shows is woken: reading it may take the FD signal
+        that would have woken them."""
+        events = self.sock.get(EVENTS)
+        if self._waiters:
+            keep: deque[tuple[int, asyncio.Future]] = deque()
+            for want, fut in self._waiters:
+                if fut.done():
+                    continue
+                if events & want:
+                    fut.set_result(None)
+                else:
+                    keep.append((want, fut))
+            self._waiters = keep
+        return events
+
     def _on_fd(self) -> None:
         self._check_soon = False
-        if self.closed:
-            return
-        events = self.sock.get(EVENTS)  # read even with no waiter: it clears the signal
-        if not self._waiters:
-            return
-        keep: deque[tuple[int, asyncio.Future]] = deque()
-        for want, fut in self._waiters:
-            if fut.done():
-                continue
-            if events & want:
-                fut.set_result(None)
-            else:
-                keep.append((want, fut))
-        self._waiters = keep
+        if not self.closed:
+            self.events()  # read even with no waiter: it clears the signal
 
-    def _touched(self) -> None:
-        """After a send or receive: whoever waits gets EVENTS checked again (the signal may be gone)."""
+    def recheck(self) -> None:
+        """After a send or receive, or any use of the plain socket (a shadow's): whoever waits gets EVENTS
+        read again on the next loop turn (the signal may be gone)."""
         if self._waiters and not self._check_soon:
             self._check_soon = True
             self._loop.call_soon(self._on_fd)
 
     async def _wait(self, want: int, timeout_s: float | None = None) -> bool:
-        if self.sock.get(EVENTS) & want:
+        if self.events() & want:
             return True
         entry = (want, self._loop.create_future())
         self._waiters.append(entry)
@@ -98,7 +103,7 @@ class Socket:
         if self.closed:
             raise zmq.ZMQError(zmq.ENOTSOCK)
         if timeout_ms is not None and timeout_ms <= 0:
-            return bool(self.sock.get(EVENTS) & flags)
+            return bool(self.events() & flags)
         return await self._wait(flags, None if timeout_ms is None else timeout_ms / 1000)
 
     # ------------------------------------------------------------ receiving
@@ -110,7 +115,7 @@ class Socket:
             first = self.sock.recv(NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        self._touched()
+        self.recheck()
         if not first.more:
             return [first]
         # The rest of a multipart message is already here: ZMQ delivers messages whole.
@@ -143,14 +148,14 @@ class Socket:
         if self._senders:
             raise zmq.Again()
         self.sock.send_multipart(frames, NOBLOCK, copy=copy)
-        self._touched()
+        self.recheck()
 
     async def send(self, frames: list[Any], copy: bool = False) -> None:
         """Queue a message, waiting for room (messages leave in the order of the calls)."""
         if not self._senders:
             try:
                 self.sock.send_multipart(frames, NOBLOCK, copy=copy)
-                self._touched()
+                self.recheck()
                 return
             except zmq.Again:
                 pass
@@ -169,7 +174,7 @@ class Socket:
                         continue
         finally:
             self._senders -= 1
-        self._touched()
+        self.recheck()
 
     # ------------------------------------------------------------ lifetime
 
@@ -196,7 +201,7 @@ class Socket:
 
 async def readable(socks: list[Socket], timeout_s: float) -> list[Socket]:
     """The sockets with a message to read, waiting up to timeout_s for one (an empty list: none came)."""
-    ready = [s for s in socks if s.sock.get(EVENTS) & POLLIN]
+    ready = [s for s in socks if s.events() & POLLIN]
     if ready or timeout_s <= 0:
         return ready
     entry = (POLLIN, asyncio.get_running_loop().create_future())
@@ -209,7 +214,7 @@ async def readable(socks: list[Socket], timeout_s: float) -> list[Socket]:
     finally:
         for s in socks:
             _forget(s, entry)
-    return [s for s in socks if s.sock.get(EVENTS) & POLLIN]
+    return [s for s in socks if s.events() & POLLIN]
 
 
 def _forget(sock: Socket, entry: tuple[int, asyncio.Future]) -> None:

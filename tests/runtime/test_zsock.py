@@ -132,3 +132,38 @@ async def test_closing_wakes_a_waiting_receiver_with_an_error(ctx):
     with pytest.raises(zmq.ZMQError):
         await asyncio.wait_for(waiting, 5)
     push.close()
+
+
+@pytest.mark.parametrize("probe", ["events", "recheck"])
+async def test_a_look_at_the_socket_does_not_strand_its_waiting_receiver(ctx, probe):
+    """Reading ZMQ_EVENTS (as the master does while a connection closes) or sending through a shadow of the
+    plain socket (its reachability probes) can take the FD signal a waiting receiver needs: the receiver
+    must still be woken."""
+    router, dealer = pair(ctx, zmq.ROUTER, zmq.DEALER)
+    try:
+        await _look_and_receive(router, dealer, probe)
+    finally:  # a stranded receiver must fail the test, not hang the context's term
+        router.close()
+        dealer.close()
+
+
+async def _look_and_receive(router: zsock.Socket, dealer: zsock.Socket, probe: str) -> None:
+    dealer.send_nowait([b"hello"])
+    ident, _ = await asyncio.wait_for(router.recv_message(4), 10)
+    for i in range(20):
+        waiting = asyncio.ensure_future(router.recv_message(4))
+        await asyncio.sleep(0)  # it found nothing and sleeps on the socket's signal
+        assert not waiting.done()
+        dealer.sock.send(str(i).encode())
+        deadline = time.monotonic() + 10
+        if probe == "events":
+            # The look takes the signal; no loop turn happens in between.
+            while not router.events() & zsock.POLLIN and time.monotonic() < deadline:
+                time.sleep(0.001)
+        else:
+            shadow = zmq.Socket.shadow(router.sock.underlying)
+            while not shadow.get(zmq.EVENTS) & zmq.POLLIN and time.monotonic() < deadline:
+                time.sleep(0.001)
+            router.recheck()
+        _, body = await asyncio.wait_for(waiting, 5)
+        assert body.bytes == str(i).encode()
