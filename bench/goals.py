@@ -88,32 +88,33 @@ GOALS: tuple[Goal, ...] = (
          "request weighs most)"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
-         "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the consumer, its wake-up and "
-         "the hand-off to the callable, 1-2 ms: the per-hop figure above) is as large as the copies"),
+         "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
+         "consumer, its wake-up and the hand-off to the callable, 1-2 ms: the per-hop figure above) is as large as "
+         "the copies"),
     Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
          "<=", 1.2, why_missed="not known: the report's control (1 KiB requests while the same bulk traffic "
          "flows between two other processes) read 1.94x at 9a5f770, 1.59x at e7d1144 and 1.54x at b7072fa (1.50x "
-         "without it), which point at memory traffic, and 0.96x at e3cd3c6, which does not; the master's bulk profile in the same report is where "
-         "to look"),
+         "without it), which point at memory traffic, and 0.96x at e3cd3c6, which does not; the master's bulk "
+         "profile in the same report is where to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
-         why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.4-1.5 ms in the "
-         "same report's co-located column at b7072fa, 1.1-2.7 ms before the runtime drove its sockets itself) is "
-         "paid on top of a raw handoff of 0.5-0.8 ms at 16-64 MiB, so those sizes sit at the limit and cross it "
-         "from run to run (1.92x at 84ffd9b, 2.20x at e3cd3c6, 2.02x at a346598, the same day; 2.32x at "
-         "26aea68; 2.46x at b7072fa); from 256 MiB it meets"),
+         why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
+         "same report's co-located column at a7bd6df, 1.4-1.5 ms at b7072fa) is paid on top of a raw handoff of "
+         "0.5-0.9 ms at 16-64 MiB, so those sizes sit at the limit and cross it from run to run (1.92x at 84ffd9b, "
+         "2.20x at e3cd3c6, 2.02x at a346598, the same day; 2.32x at 26aea68; 2.46x at b7072fa; 2.07x at a7bd6df); "
+         "from 256 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
-         "report) and a D2H and an H2D not overlapped with the wire weigh most; from 64 MiB the split data path "
-         "(8 streams) outruns the raw one-frame link (3.0-3.5x at b7072fa)"),
+         "report) and a D2H and an H2D not overlapped with the wire weigh most (0.61x at b7072fa, 0.75x at a7bd6df); "
+         "from 64 MiB the split data path (8 streams) outruns the raw one-frame link (2.0-2.7x at a7bd6df)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
-         "unencrypted path (the same report's raw ceiling: 0.17-0.23x at every K), and plain-auth gains as much from "
-         "the same streams; what the streams give CurveZMQ: 1.3-3.6 GiB/s with the default 8, 0.50-1.32x the "
-         "unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at 26aea68, 0.36x at "
-         "b7072fa"),
+         "unencrypted path (the same report's raw ceiling: 0.17-0.27x at every K at a7bd6df), and plain-auth gains "
+         "as much from the same streams; what the streams give CurveZMQ: 1.0-2.6 GiB/s with the default 8, "
+         "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at 26aea68, 0.36x at "
+         "b7072fa, 0.38x at a7bd6df"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
