@@ -113,8 +113,8 @@ GOALS: tuple[Goal, ...] = (
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
          "unencrypted path (the same report's raw ceiling: 0.17-0.27x at every K at a7bd6df), and plain-auth gains "
          "as much from the same streams; what the streams give CurveZMQ: 1.0-2.6 GiB/s with the default 8, "
-         "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at 26aea68, 0.36x at "
-         "b7072fa, 0.38x at a7bd6df"),
+         "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at "
+         "26aea68, 0.36x at b7072fa, 0.38x at a7bd6df"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
