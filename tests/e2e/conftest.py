@@ -1,6 +1,7 @@
 """End-to-end fixtures: a real control plane (DevCluster) and the real operator.
 
-One session: build the binaries if needed, start a fresh DevCluster in a tmp
+One cluster for the package (torn down after its last test, not at the end of the whole run, where
+it would take CPU from every later suite): build the binaries if needed, start a fresh DevCluster in a tmp
 dir, add fake nodes (two with 8 GPUs, one CPU-only), install with
 `kubectl apply -k manifests/` (the documented install), scale the in-cluster
 operator Deployment to 0 and run the operator as a subprocess authenticated as
@@ -34,7 +35,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     build.ensure_binaries(verbose=True)  # progress on stderr; instant when cached
     c = DevCluster(tmp_path_factory.mktemp("devcluster"), owned=True)  # a killed session leaves nothing
@@ -60,18 +61,18 @@ GC_CANARY = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def gc_ready(cluster: DevCluster, kube: Kube) -> None:
     wait_for(lambda: kube.get("ConfigMap", "default", "gc-canary") is None, 90,
              "the garbage collector to know OmniPipelines (its 30 s discovery resync)")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kube(cluster: DevCluster) -> Kube:
     return Kube(cluster)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator(cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory):
     global _RUNNER
     runner = OperatorRunner(cluster, tmp_path_factory.mktemp("operator") / "operator.log")

@@ -1,7 +1,8 @@
 """Fixtures of the real-pods suite: the dev cluster with its real node, the repo's images, the
 operator running in the cluster from its own image, and the tiny vLLM pipeline.
 
-One session: `omnifleet dev up` in a tmp state dir (the same code path as `make run`:
+One cluster for the package (down after its last test, so later suites do not share the CPU with it):
+`omnifleet dev up` in a tmp state dir (the same code path as `make run`:
 Debian packages, Go-built binaries, buildah-built images loaded into the node's
 containerd, `kubectl apply -k manifests/`). Whatever cannot be set up fails the
 suite: nothing here skips. Every test has an overall timeout.
@@ -44,12 +45,12 @@ def overall_timeout():
         yield
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_dir() -> Path:
     return Path(prepare())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     state = tmp_path_factory.mktemp("realnode")
     started = time.monotonic()
@@ -61,7 +62,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
         dev.down(state)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kube(cluster: DevCluster) -> Kube:
     return Kube(cluster)
 
