@@ -76,7 +76,9 @@ GOALS: tuple[Goal, ...] = (
          "event loop's own turns, the runtime's per-message code, the worker-thread hand-off of plain stage "
          "functions, and in the master HTTP: about a thousand Python calls per request in a no-op stage. The "
          "ratio moves with the machine more than with the code: a slower machine slows the raw round trip more "
-         "than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at e3cd3c6, 14.4x)"),
+         "than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at e3cd3c6, 14.4x; "
+         "2026-12-02: 147 us and 2.0 ms at b7072fa on an AMD EPYC, 13.7x; 66 us and 1.46 ms at bc6419c on an Intel "
+         "Xeon, 22.2x: the reports' cpu rows)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -84,8 +86,8 @@ GOALS: tuple[Goal, ...] = (
          "0.20-0.28x, carried CurveZMQ, the default: it reads 0.21-0.31x beside it in the same report). What "
          "is left: a frame of 8 MiB or more crosses split over 8 connections and the receiver copies the pieces "
          "into one fresh buffer, faulting in every page; the producer's own 4 MiB frames, handed on as "
-         "received, read 0.84-1.42x at 64-256 MiB in the same run (0.52x at 16 MiB, where the fixed cost per "
-         "request weighs most)"),
+         "received, read 0.84-1.42x at 64-256 MiB in the same run at b7072fa (0.52x at 16 MiB, where the fixed "
+         "cost per request weighs most), 0.68-1.53x at bc6419c where the runtime's own path read 0.66-0.88x"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -94,8 +96,8 @@ GOALS: tuple[Goal, ...] = (
     Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
          "<=", 1.2, why_missed="not known: the report's control (1 KiB requests while the same bulk traffic "
          "flows between two other processes) read 1.94x at 9a5f770, 1.59x at e7d1144 and 1.54x at b7072fa (1.50x "
-         "without it), which point at memory traffic, and 0.96x at e3cd3c6, which does not; the master's bulk "
-         "profile in the same report is where to look"),
+         "without it), 2.68x at bc6419c (2.11x without it), which point at memory traffic, and 0.96x at e3cd3c6, "
+         "which does not; the master's bulk profile in the same report is where to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
@@ -131,7 +133,10 @@ GOALS: tuple[Goal, ...] = (
          "decoding of the rest on the same two cores). Runs on this machine vary widely: at e3cd3c6 1.74x, "
          "the run at 607d7c7, rounds from 1.54x to 8.53x, every one counted clean of outside load, at "
          "e7d1144 1.53x, rounds 1.45-1.78x, and at e0493b0 1.57x, rounds 1.45-1.71x: the runtime driving its "
-         "sockets itself, which took a fifth off the data plane's hop, did not move it"),
+         "sockets itself, which took a fifth off the data plane's hop, did not move it. On the Intel Xeon "
+         "machine of bc6419c (the report's cpu row) the engine's first token takes 6.8 ms and the first audio "
+         "63 ms, 9.57x, while one thinker token per request reads 1.89x: suspected, not measured, that there "
+         "the first audio waits behind the engine decoding the rest of the answer on the same two cores"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
