@@ -149,7 +149,7 @@ async def test_a_look_at_the_socket_does_not_strand_its_waiting_receiver(ctx, pr
 
 async def _look_and_receive(router: zsock.Socket, dealer: zsock.Socket, probe: str) -> None:
     dealer.send_nowait([b"hello"])
-    ident, _ = await asyncio.wait_for(router.recv_message(4), 10)
+    await asyncio.wait_for(router.recv_message(4), 10)  # the DEALER is known to the ROUTER
     for i in range(20):
         waiting = asyncio.ensure_future(router.recv_message(4))
         await asyncio.sleep(0)  # it found nothing and sleeps on the socket's signal
