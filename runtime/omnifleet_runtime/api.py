@@ -139,6 +139,9 @@ class Api:
         stages = {}
         for s in ms.stages:
             entry: dict[str, Any] = {"registered": len(ms.replicas(s)), "routable": len(ms.routable(s))}
+            present = ms.revisions_present(s)
+            if len(present) > 1:  # a rollout: replicas of each revision (the newest serves once complete)
+                entry["revisions"] = {rev[:12] or "unknown": n for rev, n in sorted(present.items())}
             if s in ms.refusals:
                 when, reason = ms.refusals[s]
                 entry["lastRefusal"] = {"reason": reason, "secondsAgo": round(now - when, 1)}
@@ -157,6 +160,8 @@ class Api:
                  "message": f"no replica of stage(s) {', '.join(missing)} is registered"},
                 status=503,
             )
+        if ms.combo([s for s in ms.stages if ms.routable(s)]) is None:
+            return web.json_response({"ready": False, "stages": stages, "message": ms.lacking(ms.stages)}, status=503)
         return web.json_response({"ready": True, "stages": stages})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:

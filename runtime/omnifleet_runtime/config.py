@@ -42,6 +42,27 @@ def config_hash(doc: OmniPipeline, stage: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# A stage's fields that do not change what its replicas compute: scaling, and pod annotations.
+NOT_BEHAVIOUR = ("replicas", "autoscaling", "podAnnotations")
+
+
+def stage_revisions(doc: OmniPipeline) -> dict[str, str]:
+    """Each stage's revision: a hash of everything its replicas compute from (its own settings and the
+    pipeline-wide model, image, model volume and security), not of how many run.
+
+    A stage replica announces its own and the whole map at registration; the master routes each request
+    through replicas of one map, so a rollout never mixes old and new stages in one request.
+    """
+    d = dump(resolve(doc))["spec"]
+    common = {k: d.get(k) for k in ("model", "image", "modelVolume", "security")}
+    out = {}
+    for s in d["stages"]:
+        view = common | {"stage": {k: v for k, v in s.items() if k not in NOT_BEHAVIOUR}}
+        canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))
+        out[s["name"]] = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return out
+
+
 def heartbeat(doc: OmniPipeline, interval_s: float | None = None, timeout_s: float | None = None) -> tuple[float, float]:
     """(interval, timeout) of heartbeats: a command-line flag, else spec.heartbeat, else the default."""
     hb = doc.spec.heartbeat

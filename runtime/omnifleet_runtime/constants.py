@@ -86,6 +86,9 @@ ENV_ADMIN_TOKEN = "OMNIFLEET_ADMIN_TOKEN"  # bearer token of the admin port (fro
 # peers, so the default stays short; spec.heartbeat and the master's and
 # stage's flags set others (busy test machines running vLLM engines starved
 # whole fleets for up to 4.6 s: their tests set a longer timeout).
+# A stage worker's registration, as its pod's /readyz reads it: serving (the master routes to it), registered
+# but waiting (no master serves its revision yet), or not registered.
+WORKER_UNREGISTERED, WORKER_SERVING, WORKER_WAITING = 0, 1, 2
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 2.0
 # How long an accepted request waits for a replica of a stage that has none.

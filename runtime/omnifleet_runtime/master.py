@@ -22,7 +22,7 @@ from . import constants as C
 from . import security, wire, zsock
 from .admin import Admin
 from .api import Api
-from .config import config_hash
+from .config import config_hash, stage_revisions
 from .membership import Membership, Replica
 from .metrics import MasterMetrics
 from .orchestrator import Orchestrator
@@ -30,6 +30,7 @@ from .schema import OmniPipeline
 from .turns import StallWatch, Turns
 
 DRAIN_POLLS = 1000  # about a second of reading before a closed connection is acted on
+REVISION_MAX_CHARS = 64  # a stage name or revision hash in a Register's revisions
 ANSWER_GRACE_S = 1.0  # for the handlers of requests ended at the drain deadline to write their answers
 
 log = logging.getLogger("omnifleet.master")
@@ -64,7 +65,8 @@ class Master:
         self.config_hashes = {s.name: config_hash(doc, s.name) for s in doc.spec.stages}
         self.stage_names = [s.name for s in doc.spec.stages]
         self.heartbeat_interval_s, self.heartbeat_timeout_s = heartbeat_interval_s, heartbeat_timeout_s
-        self.membership = Membership(self.stage_names, heartbeat_timeout_s)
+        own = (doc.metadata.generation or 0, tuple(sorted(stage_revisions(doc).items())))
+        self.membership = Membership(self.stage_names, heartbeat_timeout_s, own)
         self.metrics = MasterMetrics()
         self.orch = Orchestrator(doc.spec, self.membership, self.send, self.metrics, replica_wait_s,
                                  doc.spec.master.limits.max_redispatches)
@@ -157,6 +159,10 @@ class Master:
         reason = ""
         if msg.stage not in self.stage_names:
             reason = f"this pipeline has no stage {msg.stage!r} (stages: {', '.join(self.stage_names)})"
+        elif len(msg.revisions) > len(self.stage_names) or len(msg.revision) > REVISION_MAX_CHARS or any(
+                len(k) > REVISION_MAX_CHARS or len(v) > REVISION_MAX_CHARS for k, v in msg.revisions.items()):
+            reason = (f"its revisions name {len(msg.revisions)} stages (this pipeline has {len(self.stage_names)}) "
+                      f"or exceed {REVISION_MAX_CHARS} characters")
         elif msg.config_hash != self.config_hashes[msg.stage]:
             reason = (f"config hash mismatch for stage {msg.stage!r}: the stage has {msg.config_hash[:12]}, "
                       f"the master has {self.config_hashes[msg.stage][:12]}; they disagree on its inputs, "
@@ -174,12 +180,15 @@ class Master:
                 self.membership.refused(msg.stage, reason, time.monotonic())
                 self.send(identity, wire.RegisterReply(False, self.master_id, C.PROTOCOL_VERSION, reason))
                 return
-            rep = Replica(msg.stage, msg.replica, identity, msg.data_addr, time.monotonic(), pid=msg.pid)
+            rep = Replica(msg.stage, msg.replica, identity, msg.data_addr, time.monotonic(), pid=msg.pid,
+                          revision=msg.revision, announced=(msg.generation, tuple(sorted(msg.revisions.items()))))
             old = self.membership.join(rep)
             log.info("replica %s registered (data %s, pid %d)", rep, msg.data_addr, msg.pid)
             if old is not None:
                 self.orch.on_replica_lost(old, "registered again")
-        self.send(identity, wire.RegisterReply(True, self.master_id, C.PROTOCOL_VERSION))
+        rep = self.membership.get(identity)
+        self.send(identity, wire.RegisterReply(True, self.master_id, C.PROTOCOL_VERSION,
+                                               serving=rep is None or self.membership.serving(rep)))
 
     def _identity_problem(self, identity: bytes, msg: wire.Register, peer: str | None) -> str:
         """Why this connection may not register as msg says (empty: it may).
@@ -220,7 +229,7 @@ class Master:
     # ------------------------------------------------------------ liveness
 
     async def _heartbeat_loop(self) -> None:
-        beat = wire.MasterHeartbeat(self.master_id)
+        beats = {flag: wire.MasterHeartbeat(self.master_id, serving=flag) for flag in (False, True)}
         watch = StallWatch(self.heartbeat_interval_s)
         while True:
             now = time.monotonic()
@@ -235,7 +244,7 @@ class Master:
                 self.metrics.replica_losses.inc(stage=rep.stage)
                 self.orch.on_replica_lost(rep, "was lost")
             for rep in self.membership.all():
-                self.send(rep.identity, beat)
+                self.send(rep.identity, beats[self.membership.serving(rep)])
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _disconnect_loop(self, monitor: zsock.Socket) -> None:

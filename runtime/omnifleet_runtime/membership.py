@@ -21,21 +21,32 @@ class Replica:
     draining: bool = False
     dropped: int = 0  # messages over the bounds, as the replica reports
     bytes: dict[str, int] = field(default_factory=lambda: {"tcp": 0, "shm": 0, "master": 0})
+    revision: str = ""  # of its stage ("": a replica that announces none fits any revision)
+    # The revisions of the config it runs: (generation, ((stage, revision), ...)).
+    announced: tuple[int, tuple[tuple[str, str], ...]] = (0, ())
 
     def __str__(self) -> str:
         return f"{self.stage}/{self.replica}"
 
 
+Revisions = dict[str, str]  # stage -> revision
+
+
 class Membership:
-    def __init__(self, stages: list[str], timeout_s: float):
+    def __init__(self, stages: list[str], timeout_s: float,
+                 own: tuple[int, tuple[tuple[str, str], ...]] = (0, ())):
         self.stages = stages
         self.timeout_s = timeout_s
         self._by_identity: dict[bytes, Replica] = {}
         self._changed = asyncio.Event()
+        self.own = own  # the revisions of the master's own config, one candidate among the replicas'
+        self._version = 0  # bumped on every change of who is routable
+        self._combos: dict[tuple[str, ...], tuple[int, Revisions | None]] = {}
         # The last registration refused, by stage (known stages only: the map stays bounded).
         self.refusals: dict[str, tuple[float, str]] = {}
 
     def _notify(self) -> None:
+        self._version += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -104,3 +115,55 @@ class Membership:
     def missing(self) -> list[str]:
         """Stages with no replica that takes new work."""
         return [s for s in self.stages if not self.routable(s)]
+
+    # -- revisions: a rollout runs old and new replicas side by side; a request uses one revision throughout
+
+    def _candidates(self) -> list[tuple[int, tuple[tuple[str, str], ...]]]:
+        """The pipeline revisions known here, newest (highest generation) first."""
+        found = {self.own} | {r.announced for r in self._by_identity.values()}
+        return sorted(found, key=lambda c: (-c[0], c[1]))
+
+    @staticmethod
+    def fits(rep: Replica, revisions: Revisions) -> bool:
+        want = revisions.get(rep.stage, "")
+        return not want or not rep.revision or rep.revision == want
+
+    def combo(self, stages: list[str] | tuple[str, ...]) -> Revisions | None:
+        """The newest pipeline revision with a routable replica of each of `stages` (None: no revision has
+        them all). Cached until membership changes: the request path reads it once per request."""
+        key = tuple(stages)
+        hit = self._combos.get(key)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        found = None
+        for _, items in self._candidates():
+            revisions = dict(items)
+            if all(any(self.fits(r, revisions) for r in self.routable(s)) for s in stages):
+                found = revisions
+                break
+        if len(self._combos) > 64:  # one entry per set of stages requests use: few
+            self._combos.clear()
+        self._combos[key] = (self._version, found)
+        return found
+
+    def serving(self, rep: Replica) -> bool:
+        """Whether new requests may be routed to this replica's revision: it belongs to the revision
+        requests go to now, or, when no revision has every stage, to the newest one (so a stage that
+        lost its replicas leaves the others ready)."""
+        revisions = self.combo(self.stages)
+        if revisions is None:
+            revisions = dict(self._candidates()[0][1])
+        return self.fits(rep, revisions)
+
+    def lacking(self, stages: list[str]) -> str:
+        """Why no revision has every stage: what the newest one lacks."""
+        generation, items = self._candidates()[0]
+        revisions = dict(items)
+        lack = [s for s in stages if not any(self.fits(r, revisions) for r in self.routable(s))]
+        return f"the newest revision (generation {generation}) has no replica of stage(s) {', '.join(lack)}"
+
+    def revisions_present(self, stage: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.replicas(stage):
+            out[r.revision] = out.get(r.revision, 0) + 1
+        return out

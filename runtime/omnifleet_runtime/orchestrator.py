@@ -155,11 +155,15 @@ class Orchestrator:
                                                         "omnifleet.stages": ",".join(stages)}, server=True)
         self.runs[run.id] = run
         run.expiry = asyncio.get_running_loop().call_later(timeout_s, self._expire, run)
-        if missing:  # scaled to zero: held while the autoscaler, seeing the demand, starts a replica
-            log.info("request %s waits for the first replica of %s (scaled to zero)", run.id, ", ".join(missing))
-            self._spawn(self._redispatch(run))
+        plan = None if missing else self._plan(run)
+        if plan is not None:
+            self._dispatch(run, plan)
         else:
-            self._dispatch(run, self._plan(run))
+            # Scaled to zero: held while the autoscaler, seeing the demand, starts a replica. Or no revision
+            # has every stage (a replica of one stage left mid-rollout): held for the replica wait.
+            log.info("request %s waits for %s", run.id, f"the first replica of {', '.join(missing)} (scaled to "
+                     "zero)" if missing else "a revision of the pipeline with a replica of every stage")
+            self._spawn(self._redispatch(run))
         return run
 
     def demand(self) -> dict[str, int]:
@@ -177,11 +181,13 @@ class Orchestrator:
         task.add_done_callback(self._tasks.discard)
 
     def _plan(self, run: Run) -> dict[str, Replica] | None:
+        """A replica per stage, all of one revision of the pipeline (None: no revision has them all)."""
+        revisions = self.membership.combo(run.stages)
+        if revisions is None:
+            return None
         plan: dict[str, Replica] = {}
         for name in run.stages:
-            candidates = self.membership.routable(name)
-            if not candidates:
-                return None
+            candidates = [r for r in self.membership.routable(name) if self.membership.fits(r, revisions)]
             pods = {plan[u].replica for u in self.spec.stage(name).inputs}
             local = [r for r in candidates if r.replica in pods]
             plan[name] = min(local or candidates, key=lambda r: (r.outstanding, r.assigned))
@@ -223,9 +229,14 @@ class Orchestrator:
             if left <= 0:
                 missing = [s for s in self.membership.missing() if s in run.stages]
                 zero = [s for s in missing if s in self.activation_s]
-                why = (f"no replica of stage(s) {', '.join(missing)} came back within {wait_s:g}s" if not zero else
-                       f"no replica of stage(s) {', '.join(missing)} started within {wait_s:g}s (scaled to zero: "
-                       f"the autoscaler adds one while requests wait; activationTimeoutSeconds bounds the wait)")
+                if not missing:
+                    why = (f"no revision of the pipeline had a replica of every stage within {wait_s:g}s: "
+                           + self.membership.lacking(run.stages))
+                elif not zero:
+                    why = f"no replica of stage(s) {', '.join(missing)} came back within {wait_s:g}s"
+                else:
+                    why = (f"no replica of stage(s) {', '.join(missing)} started within {wait_s:g}s (scaled to zero: "
+                           "the autoscaler adds one while requests wait; activationTimeoutSeconds bounds the wait)")
                 self._fail(run, why, status=503, code="no_replica")
                 return
             await self.membership.wait_change(left)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from . import constants as C
 from . import metrics, shm
 from .lifetime import die_with_parent
 
@@ -79,8 +80,8 @@ def _worker_main(spec: WorkerSpec, ready, metrics_port, registered, engine_died)
     def on_metrics(port: int) -> None:
         metrics_port.value = port
 
-    def on_registered(flag: bool) -> None:
-        registered.value = int(flag)
+    def on_registered(state: int) -> None:
+        registered.value = state
 
     def on_engine_died() -> None:
         engine_died.value = 1
@@ -96,7 +97,7 @@ class Pod:
         ctx = mp.get_context("spawn")  # no fork: a fresh interpreter per engine (CUDA needs it)
         self.ready = [ctx.Event() for _ in workers]
         self.worker_metrics = [ctx.Value("i", 0, lock=False) for _ in workers]  # each worker's loopback port
-        # 1 while the worker is registered with a master and takes work (its worker writes it).
+        # The worker's registration (C.WORKER_*; its worker writes it).
         self.registered = [ctx.Value("b", 0, lock=False) for _ in workers]
         # 1 once the worker's engine died: the pod is not live from then on, while the worker winds down.
         self.engine_died = [ctx.Value("b", 0, lock=False) for _ in workers]
@@ -131,11 +132,14 @@ class Pod:
         replicas are then registered replicas, which the pipeline's status counts on."""
         loading = self._loading()
         unregistered = [w.stage for w, ev, reg in zip(self.specs, self.ready, self.registered)
-                        if ev.is_set() and not reg.value]
+                        if ev.is_set() and reg.value == C.WORKER_UNREGISTERED]
+        # Registered, but a rollout's other stages have no replica of this revision yet: the old pods serve.
+        waiting = [w.stage for w, reg in zip(self.specs, self.registered) if reg.value == C.WORKER_WAITING]
         dead = self._dead()
-        if loading or unregistered or dead or self.stopping:
-            return web.json_response({"ready": False, "loading": loading, "unregistered": unregistered,
-                                      "dead": dead, "draining": self.stopping}, status=503)
+        if loading or unregistered or waiting or dead or self.stopping:
+            body = {"ready": False, "loading": loading, "unregistered": unregistered, "dead": dead,
+                    "draining": self.stopping}
+            return web.json_response(body | ({"waitingForRevision": waiting} if waiting else {}), status=503)
         return web.json_response({"ready": True})
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -609,6 +609,30 @@ class Security(Model):
     )
 
 
+class Rollout(Model):
+    """How a change rolls the stage pods, the same for every stage.
+
+    Each request runs through replicas of one revision of the pipeline. A new
+    pod waits unready until every changed stage has a replica of the new
+    revision; until then the old pods serve, then they drain. With no room for
+    a surge pod, maxSurge 0 and maxUnavailable 1 trade one old pod for a new one
+    at a time (a stage with one replica is then down while its new pod loads).
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            ("(has(self.maxSurge) ? self.maxSurge : 1) + (has(self.maxUnavailable) ? self.maxUnavailable : 0) > 0",
+             "maxSurge and maxUnavailable cannot both be 0"),
+        )
+    )
+
+    max_surge: int = Field(
+        1, ge=0, le=1000, description="New pods a stage may have over its replicas during a rollout. Default: 1.")
+    max_unavailable: int = Field(
+        0, ge=0, le=1000, description="Pods a stage may have fewer than its replicas during a rollout. Default: 0.")
+
+
+
 class PipelineSpec(Model):
     """The desired state of an OmniPipeline."""
 
@@ -639,6 +663,8 @@ class PipelineSpec(Model):
         None, description="Heartbeat interval and timeout between master and stages. "
         f"Default: {C.HEARTBEAT_INTERVAL_S:g} s and {C.HEARTBEAT_TIMEOUT_S:g} s."
     )
+    rollout: Rollout | None = Field(
+        None, description="How a change rolls the stage pods. Default: maxSurge 1, maxUnavailable 0.")
     stages: list[Stage] = Field(min_length=1, max_length=MAX_STAGES, description="The stages, in any order.")
 
     def stage(self, name: str) -> Stage:
@@ -662,6 +688,9 @@ class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str = Field(min_length=1, max_length=253)
     namespace: str | None = None
+    # The pipeline's metadata.generation, which the operator copies into the mounted config: stage replicas
+    # announce it, and a master admits requests into the newest revision of the pipeline (see membership).
+    generation: int | None = Field(default=None, ge=0)
 
 
 class OmniPipeline(BaseModel):

@@ -46,6 +46,7 @@ from . import companions, discovery, security, shm, stripes, tracing, wire, zsoc
 from .links import Link
 from .engines import BadInput, Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .metrics import CONTENT_TYPE, StageMetrics, audio_seconds
+from .config import stage_revisions
 from .schema import OmniPipeline
 from .turns import StallWatch, Turns
 
@@ -78,6 +79,7 @@ class MasterSession:
     wanted: bool = True
     sock: zsock.Socket | None = None  # set while registered
     master_id: str = ""
+    serving: bool = True  # the master routes new requests to this replica's revision (wire.MasterHeartbeat)
     task: asyncio.Task | None = None
 
 
@@ -207,6 +209,7 @@ class StageWorker:
         self.masters = discovery.parse_masters(masters)  # HOST:PORT[,HOST:PORT...], as --master gives them
         self.sessions: dict[str, MasterSession] = {}  # by address
         self.config_hash = config_hash
+        self.revisions = stage_revisions(doc)
         self.host, self.data_port, self.advertise_host = host, data_port, advertise_host
         self.drain_timeout_s = drain_timeout_s
         self.mode = self.stage.effective_input_mode()
@@ -240,13 +243,13 @@ class StageWorker:
         if self.stage.prompt_expand:
             self.expand = load_callable(self.stage.prompt_expand)
 
-    def _set_registered(self, flag: bool) -> None:
+    def _set_registered(self, state: int) -> None:
         if self.on_registered is not None:
-            self.on_registered(flag)
+            self.on_registered(state)
 
     async def main(self, on_ready=None, on_metrics=None, on_registered=None, on_engine_died=None) -> int:
         """on_metrics(port): called with the loopback port serving this worker's /metrics;
-        on_registered(bool): called as this worker starts and stops taking work from the master;
+        on_registered(state): called as this worker's registration changes (C.WORKER_SERVING: it takes work);
         on_engine_died(): called once its engine can serve no more."""
         self.on_registered, self.on_engine_died = on_registered, on_engine_died
         loop = asyncio.get_running_loop()
@@ -321,7 +324,7 @@ class StageWorker:
 
     async def _drain(self) -> None:
         self.draining = True
-        self._set_registered(False)
+        self._set_registered(C.WORKER_UNREGISTERED)
         log.info("SIGTERM: draining %d request(s), up to %.0fs", len(self.jobs), self.drain_timeout_s)
         await self._broadcast(self._heartbeat())  # the masters stop routing here at once
         deadline = time.monotonic() + self.drain_timeout_s
@@ -348,7 +351,7 @@ class StageWorker:
         self.exit_code = C.EXIT_ENGINE_DIED
         log.error("stage %s: engine died: %s; deregistering and exiting", self.stage.name, reason)
         self.draining = True  # no new session
-        self._set_registered(False)
+        self._set_registered(C.WORKER_UNREGISTERED)
         if self.on_engine_died is not None:
             self.on_engine_died()
         await self._broadcast(wire.Deregister(f"engine died: {reason}"))
@@ -393,7 +396,11 @@ class StageWorker:
         # master keeps its own membership and routes only to replicas registered with it, so a pod
         # registered anywhere is serving; asking for all would make one dead or unreachable master
         # take every stage pod out of its Service and stall every rollout, the opposite of HA.
-        self._set_registered(not self.draining and any(s.sock is not None for s in self.sessions.values()))
+        # Registered but waiting (no master serves its revision yet: a rollout whose other stages' new
+        # replicas are still loading) is not ready either: the Deployment keeps the old pods meanwhile.
+        registered = [s for s in self.sessions.values() if s.sock is not None]
+        self._set_registered(C.WORKER_SERVING if not self.draining and any(s.serving for s in registered) else
+                             C.WORKER_WAITING if not self.draining and registered else C.WORKER_UNREGISTERED)
 
     async def _masters_loop(self) -> None:
         """Keep one session per master found: find the masters again every few seconds."""
@@ -444,8 +451,8 @@ class StageWorker:
             monitor = zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
             sock.connect(session.addr)
             try:
-                session.master_id = await self._register(sock)
-                session.sock = sock
+                reply = await self._register(sock)
+                session.master_id, session.serving, session.sock = reply.master_id, reply.serving, sock
                 self._update_registered()
                 log.info("registered with master %s at %s", session.master_id, session.addr)
                 why = await self._serve_master(sock, monitor, session)
@@ -467,10 +474,12 @@ class StageWorker:
                 monitor.close(linger=0)
                 sock.close(linger=500 if self.draining else 0)  # let a Deregister leave
 
-    async def _register(self, sock: zsock.Socket) -> str:
+    async def _register(self, sock: zsock.Socket) -> wire.RegisterReply:
         reg = wire.Register(
             stage=self.stage.name, replica=self.replica, protocol_version=C.PROTOCOL_VERSION,
             config_hash=self.config_hash, data_addr=self.data_addr, pid=os.getpid(), engine=self.stage.type,
+            revision=self.revisions[self.stage.name], generation=self.doc.metadata.generation or 0,
+            revisions=self.revisions,
         )
         wait = 0.05
         while True:
@@ -487,7 +496,7 @@ class StageWorker:
                 if isinstance(msg, wire.RegisterReply):
                     if not msg.ok:
                         raise Refused(msg.reason)
-                    return msg.master_id
+                    return msg
 
     async def _serve_master(self, sock: zsock.Socket, monitor: zsock.Socket,
                             session: MasterSession) -> str:
@@ -573,7 +582,13 @@ class StageWorker:
             task = asyncio.get_running_loop().create_task(self._control(msg, session))
             self.control_tasks.add(task)
             task.add_done_callback(self.control_tasks.discard)
-        elif not isinstance(msg, (wire.MasterHeartbeat, wire.RegisterReply)):
+        elif isinstance(msg, wire.MasterHeartbeat):
+            if msg.serving is not None and msg.serving != session.serving:
+                session.serving = msg.serving
+                log.info("master %s %s this replica's revision", session.master_id,
+                         "now serves" if msg.serving else "no longer serves")
+                self._update_registered()
+        elif not isinstance(msg, wire.RegisterReply):
             log.warning("rejected unexpected %s from the master", type(msg).__name__)
 
     async def _control(self, msg: wire.Control, session: MasterSession) -> None:

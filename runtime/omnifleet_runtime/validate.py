@@ -233,6 +233,8 @@ def check_spec(spec: PipelineSpec, root: str = "spec") -> list[Problem]:
                                         f"{key!r}: {C.ANNOTATION_DOMAIN}/ annotations are the operator's"))
     problems += keys_references(spec, root)
 
+    if spec.rollout is not None and spec.rollout.max_surge + spec.rollout.max_unavailable == 0:
+        add("rollout", "maxSurge and maxUnavailable cannot both be 0: the rollout could never start")
     hb = spec.heartbeat
     if hb is not None and hb.timeout_seconds < 2 * hb.interval_seconds:
         add("heartbeat.timeoutSeconds", f"must be at least twice intervalSeconds ({hb.interval_seconds:g}), "
@@ -371,5 +373,7 @@ def dump(doc: OmniPipeline) -> dict[str, Any]:
     meta = {"name": doc.metadata.name}
     if doc.metadata.namespace:
         meta["namespace"] = doc.metadata.namespace
+    if doc.metadata.generation is not None:
+        meta["generation"] = doc.metadata.generation
     out["metadata"] = meta
     return out

@@ -172,6 +172,11 @@ class Register(Msg):
     data_addr: str
     pid: int = 0
     engine: str = ""
+    # The replica's revision of its stage, and the revision of every stage in the config it runs, with that
+    # config's generation: the master routes a request only through replicas of one such map.
+    revision: str = ""
+    generation: int = 0
+    revisions: dict[str, str] = {}
 
 
 class StageHeartbeat(Msg):
@@ -227,10 +232,14 @@ class RegisterReply(Msg):
     master_id: str
     protocol_version: int
     reason: str = ""
+    serving: bool = True  # see MasterHeartbeat.serving
 
 
 class MasterHeartbeat(Msg):
     master_id: str
+    # Whether the master routes new requests to this replica's revision (None: no news, a probe). A
+    # replica of a new revision waits, unready, until every stage of its revision has a replica.
+    serving: bool | None = None
 
 
 class Reset(Msg):

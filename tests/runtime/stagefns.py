@@ -51,6 +51,16 @@ async def exclaim(inputs, sampling_params, context):
     return inputs + sampling_params.get("suffix", "!")
 
 
+# ---- the same chain's next revision (a rollout's answers say which revision served them)
+
+def lower(inputs, sampling_params, context):
+    return prompt_text(inputs).lower()
+
+
+def question(inputs, sampling_params, context):
+    return inputs + "?"
+
+
 def halves(inputs, sampling_params, context):
     n = len(inputs) // 2
     yield inputs[:n]
