@@ -88,6 +88,11 @@ STAGE_STATUS = {
         "desiredReplicas": {"type": "integer", "description": "Replicas wanted (by the spec or the autoscaler)."},
         "registeredReplicas": {"type": "integer", "description":
                                "Replicas registered with the master (a stage pod is ready only while registered)."},
+        "revisions": {"type": "array", "description":
+                      "During a rollout: the stage's pods per revision (pod template hash), the current one last.",
+                      "items": {"type": "object", "properties": {
+                          "revision": {"type": "string"}, "pods": {"type": "integer"},
+                          "readyPods": {"type": "integer"}, "current": {"type": "boolean"}}}},
     },
 }
 

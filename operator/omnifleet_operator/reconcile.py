@@ -134,7 +134,10 @@ def event_object(body: Obj, event: Event, now: str, instance: str = "") -> Obj:
 
 def parse(body: Obj, policy: Policy = Policy()) -> tuple[OmniPipeline | None, list[Problem]]:
     doc = {k: body.get(k) for k in ("apiVersion", "kind", "spec")}
-    doc["metadata"] = {"name": body["metadata"]["name"], "namespace": body["metadata"].get("namespace")}
+    meta = body["metadata"]
+    doc["metadata"] = {"name": meta["name"], "namespace": meta.get("namespace")}
+    if meta.get("generation") is not None:
+        doc["metadata"]["generation"] = meta["generation"]
     return check_document(doc, policy)
 
 

@@ -16,8 +16,8 @@ import yaml
 
 from omnifleet_runtime import constants as C
 from omnifleet_runtime.config import ROUTING_FIELDS
-from omnifleet_runtime.schema import (AUTOSCALING_METRICS, EnvVar, OmniPipeline, Resources, Toleration, Volume,
-                                      VolumeMount)
+from omnifleet_runtime.schema import (AUTOSCALING_METRICS, EnvVar, OmniPipeline, Resources, Rollout, Toleration,
+                                      Volume, VolumeMount)
 from omnifleet_runtime.validate import dump, resolve
 
 from . import names, quantity
@@ -490,9 +490,12 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
                          node_selector=node_selector, tolerations=tolerations, affinity=h.affinity),
     }
     keys_annotation(template, keys_hash)
+    r = doc.spec.rollout or Rollout()
     spec: Obj = {
-        # Keep serving capacity during a roll; a surge pod waits for a GPU if none is free.
-        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        # By default capacity is kept during a roll (a surge pod waits for a GPU if none is free). A new pod
+        # is ready once its whole revision is registered, so the old pods of every stage serve until then.
+        "strategy": {"type": "RollingUpdate",
+                     "rollingUpdate": {"maxSurge": r.max_surge, "maxUnavailable": r.max_unavailable}},
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": STAGE_PROGRESS_DEADLINE,
         "selector": {"matchLabels": selector(doc, C.COMPONENT_STAGE, host)},

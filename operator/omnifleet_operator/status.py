@@ -93,6 +93,29 @@ def _pods_of(pods: list[Obj], view: "StageView") -> list[Obj]:
     return out
 
 
+def _pod_ready(pod: Obj) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def revisions(pods: list[Obj], view: "StageView") -> list[Obj]:
+    """A stage's pods per revision (their template hash) while more than one is present (a rollout), the
+    current one last; empty otherwise."""
+    current = ((view.dep or {}).get("metadata", {}).get("annotations") or {}).get(C.ANNOTATION_TEMPLATE_HASH)
+    counts: dict[str, list[int]] = {}
+    for pod in _pods_of(pods, view):
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        rev = (pod["metadata"].get("annotations") or {}).get(C.ANNOTATION_TEMPLATE_HASH) or "unknown"
+        entry = counts.setdefault(rev, [0, 0])
+        entry[0] += 1
+        entry[1] += _pod_ready(pod)
+    if len(counts) < 2:
+        return []
+    return [{"revision": rev, "pods": n, "readyPods": ready, "current": rev == current}
+            for rev, (n, ready) in sorted(counts.items(), key=lambda kv: (kv[0] == current, kv[0]))]
+
+
 def _last_line(text: str) -> str:
     """The line of a log tail that says why: the last `failed to start` line (a stage names its
     reason there; lines after it report exit codes), else the last line."""
@@ -120,8 +143,7 @@ def _started_unready(pod: Obj) -> bool:
     pod is ready only while the master routes to it, so the master did not take it."""
     st = pod.get("status") or {}
     statuses = st.get("containerStatuses") or []
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-    return bool(statuses) and all(cs.get("started") is True for cs in statuses) and not ready
+    return bool(statuses) and all(cs.get("started") is True for cs in statuses) and not _pod_ready(pod)
 
 
 def _unschedulable(pods: list[Obj], view: "StageView") -> list[Obj]:
@@ -356,6 +378,8 @@ def compute_status(*, name: str, namespace: str, generation: int, doc: OmniPipel
             entry["host"] = s.colocate_with
         # A stage pod is ready only while each of its stages is registered with the master (its /readyz).
         entry["registeredReplicas"] = v.ready
+        if revs := revisions(observed.pods, v):
+            entry["revisions"] = revs
         stages.append(entry)
         ready_count += v.is_ready
 

@@ -364,3 +364,55 @@ def test_real_time_factor_needs_an_audio_stage_in_the_pod():
     assert [str(p) for p in problems] == [
         "spec.stages[0].autoscaling.metric: realTimeFactor needs a stage in this stage's pods (itself or one "
         "co-located with it) whose finalOutput is audio"]
+
+
+def test_the_rollout_policy_sets_every_stages_strategy_and_refuses_no_room_at_all():
+    doc = sample("speech")
+    default = render(doc)
+    assert default[("Deployment", "speech-thinker")]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 1, "maxUnavailable": 0}
+    doc["spec"]["rollout"] = {"maxSurge": 0, "maxUnavailable": 1}  # no room for a surge pod
+    objs = render(doc)
+    for host in ("thinker", "talker"):
+        dep = objs[("Deployment", f"speech-{host}")]
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+        # The policy is not in the pod template: changing it rolls no pod.
+        assert template_hash(objs, f"speech-{host}") == template_hash(default, f"speech-{host}")
+    doc["spec"]["rollout"] = {"maxSurge": 0}
+    _, problems = check_document(doc)
+    assert [(p.path, p.message) for p in problems] == [
+        ("spec.rollout", "maxSurge and maxUnavailable cannot both be 0: the rollout could never start")]
+
+
+def test_stage_revisions_change_with_what_a_stage_computes_not_with_scale():
+    from omnifleet_runtime.config import stage_revisions
+    from omnifleet_runtime.validate import load_pipeline
+
+    doc = sample("speech")
+    base = stage_revisions(load_pipeline(doc))
+    scaled = copy.deepcopy(doc)
+    for s in scaled["spec"]["stages"]:
+        if "colocateWith" not in s:
+            s["replicas"] = 5
+        s["podAnnotations"] = {"team": "audio"}
+    assert stage_revisions(load_pipeline(scaled)) == base
+    changed = copy.deepcopy(doc)
+    talker = next(s for s in changed["spec"]["stages"] if s["name"] == "talker")
+    talker["engineArgs"] = {**talker.get("engineArgs", {}), "max_num_seqs": 3}
+    after = stage_revisions(load_pipeline(changed))
+    assert {s for s in base if after[s] != base[s]} == {"talker"}
+    image = copy.deepcopy(doc)
+    image["spec"]["image"] = "example.org/omnifleet:other"
+    assert all(v != base[s] for s, v in stage_revisions(load_pipeline(image)).items())
+
+
+def test_the_mounted_config_carries_the_pipelines_generation():
+    from omnifleet_operator.reconcile import parse
+    from omnifleet_runtime.validate import load_pipeline
+
+    body = sample("speech")
+    body["metadata"]["generation"] = 7
+    parsed, problems = parse(body)
+    assert problems == []
+    text = next(o for o in desired(parsed) if o["kind"] == "ConfigMap")["data"][C.CONFIG_FILE]
+    assert load_pipeline(yaml.safe_load(text)).metadata.generation == 7

@@ -326,3 +326,30 @@ def test_a_malformed_master_report_is_no_refusal(report):
 def test_a_long_refusal_reason_is_cut():
     (line,) = refusals(refused_report(reason="x" * 5000))
     assert line == "stage thinker: " + "x" * 300
+
+
+# -- a rollout: the stage's pods per revision --
+
+def revision_pod(stage, rev, ready, n):
+    p = loaded_pod(stage, ready)
+    p["metadata"]["name"] = f"{stage}-{rev}-{n}"
+    p["metadata"]["annotations"] = {"omnifleet.dev/template-hash": rev}
+    return p
+
+
+def test_a_rolling_stage_lists_its_pods_per_revision_the_current_one_last():
+    deps = all_ready()
+    deps["speech-thinker"]["metadata"]["annotations"] = {"omnifleet.dev/template-hash": "new"}
+    deps["speech-thinker"]["status"].update(replicas=3, updatedReplicas=1, readyReplicas=2)
+    pods = [revision_pod("thinker", "old", True, 1), revision_pod("thinker", "old", True, 2),
+            revision_pod("thinker", "new", False, 1)]
+    st = status(Observed(deployments=deps, pods=pods))
+    thinker = next(s for s in st["stages"] if s["name"] == "thinker")
+    assert thinker["revisions"] == [{"revision": "old", "pods": 2, "readyPods": 2, "current": False},
+                                    {"revision": "new", "pods": 1, "readyPods": 0, "current": True}]
+    assert "revisions" not in next(s for s in st["stages"] if s["name"] == "talker")
+    assert st["phase"] == "Progressing" and "thinker (1/2 updated)" in st["message"]
+    # The rollout done: one revision, no list.
+    deps["speech-thinker"]["status"].update(replicas=2, updatedReplicas=2, readyReplicas=2)
+    done = status(Observed(deployments=deps, pods=[revision_pod("thinker", "new", True, n) for n in (1, 2)]))
+    assert all("revisions" not in s for s in done["stages"]) and done["phase"] == "Ready"
