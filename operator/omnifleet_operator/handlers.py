@@ -189,13 +189,13 @@ def _spec_fingerprint(body: Any) -> tuple:
 
 
 def _scheduling(body: Any) -> tuple:
-    """All that pipeline status reads of a pod (with its labels, which the index keeps):
-    its scheduling, why its containers last failed, and whether its engines loaded (started)."""
+    """All that pipeline status reads of a pod (with its labels and template, which the index keeps): its
+    scheduling, whether it is going, why its containers last failed, and whether its engines loaded (started)."""
     scheduled = (None, None)
     for c in (body.get("status") or {}).get("conditions") or ():
         if c.get("type") == "PodScheduled":
             scheduled = (c.get("status"), c.get("reason"))
-    return scheduled + tuple(_failure(cs) + (cs.get("started"),)
+    return scheduled + (bool(body["metadata"].get("deletionTimestamp")),) + tuple(_failure(cs) + (cs.get("started"),)
                              for cs in (body.get("status") or {}).get("containerStatuses") or ())
 
 
@@ -255,10 +255,17 @@ POD_CONTAINER_FIELDS = ("name", "state", "lastState", "restartCount", "started")
 
 @kopf.index("", "v1", "pods", labels=OWNED)
 def pods_idx(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
-    # Only what status needs: a pod's stage, its conditions, why its containers failed, whether they started.
-    st = body.get("status") or {}
+    # Only what status needs: a pod's stage and template (its revision), whether it is going, its conditions,
+    # why its containers failed, whether they started.
+    st, meta = body.get("status") or {}, body["metadata"]
+    kept = {"name": meta["name"], "labels": dict(labels)}
+    template = (meta.get("annotations") or {}).get(C.ANNOTATION_TEMPLATE_HASH)
+    if template:
+        kept["annotations"] = {C.ANNOTATION_TEMPLATE_HASH: template}
+    if meta.get("deletionTimestamp"):
+        kept["deletionTimestamp"] = meta["deletionTimestamp"]
     return {(namespace, labels[C.LABEL_PIPELINE]): {
-        "metadata": {"name": body["metadata"]["name"], "labels": dict(labels)},
+        "metadata": kept,
         "status": {"conditions": list(st.get("conditions") or []),
                    "containerStatuses": [{k: cs.get(k) for k in POD_CONTAINER_FIELDS}
                                          for cs in st.get("containerStatuses") or []]},

@@ -279,6 +279,52 @@ def master_keys_hold(wanted: list[Obj], children: Children) -> str | None:
     return _keys_hash_of(live)
 
 
+NO_ROOM = {"maxSurge": 0, "maxUnavailable": 1}  # one old pod out, one new in
+
+
+def _template_hash(obj: Obj) -> str | None:
+    return ((obj.get("spec", {}).get("template", {}).get("metadata") or {}).get("annotations") or {}).get(
+        C.ANNOTATION_TEMPLATE_HASH)
+
+
+def _unschedulable(pod: Obj) -> bool:
+    return any(c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def rollouts_without_room(wanted: list[Obj], children: Children) -> list[str]:
+    """Stage Deployments whose rollout has no room for its surge pod (it finds no node): the rollout goes
+    on one replica at a time (NO_ROOM) until it is done, then the spec's policy is back.
+
+    Only for a stage of two replicas or more, so none goes to zero; a stage of one waits for room,
+    its old pod serving (the status says CapacityPending). Sets the strategy in `wanted`; returns the names
+    of those it sets for the first time.
+    """
+    out = []
+    for obj in wanted:
+        if obj["kind"] != "Deployment":
+            continue
+        labels = obj["spec"]["template"]["metadata"].get("labels") or {}
+        if labels.get(C.LABEL_COMPONENT) != C.COMPONENT_STAGE:
+            continue
+        live = children.find("apps/v1", "Deployment", obj["metadata"]["name"])
+        strategy = obj["spec"]["strategy"]["rollingUpdate"]
+        if live is None or strategy["maxSurge"] == 0 or int(live["spec"].get("replicas") or 0) < 2:
+            continue
+        current = _template_hash(obj)
+        pods = [p for p in children.pods if not p["metadata"].get("deletionTimestamp")
+                and (p["metadata"].get("labels") or {}).get(C.LABEL_STAGE) == labels[C.LABEL_STAGE]]
+        hashes = [(p["metadata"].get("annotations") or {}).get(C.ANNOTATION_TEMPLATE_HASH) for p in pods]
+        if _template_hash(live) != current or all(h == current for h in hashes):
+            continue  # not rolling to this template (or just starting to: room is not known yet), or done
+        held = (live["spec"].get("strategy") or {}).get("rollingUpdate") == NO_ROOM
+        if held or any(_unschedulable(p) and h == current for p, h in zip(pods, hashes)):
+            obj["spec"]["strategy"]["rollingUpdate"] = dict(NO_ROOM)
+            if not held:
+                out.append(obj["metadata"]["name"])
+    return out
+
+
 async def find_conflicts(api: "Api", wanted: list[Obj], children: Children, uid: str,
                          cache: AppliedCache | None) -> list[str]:
     """Objects holding a wanted child's name that this pipeline does not control.
@@ -444,6 +490,9 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
             master = render.build_master_deployment(doc, uid, held)
             wanted = [master if (o["kind"], o["metadata"]["name"]) == ("Deployment", master["metadata"]["name"])
                       else o for o in wanted]
+        if without_room := rollouts_without_room(wanted, children):
+            log.warning("%s/%s: no room for a surge pod; rolling one replica at a time: %s", namespace, name,
+                     ", ".join(without_room))
         todo = plan(wanted, children, uid, cache) if wanted else Plan([], [])
         # Status must not call pending objects observed: what `children` shows of them is older.
         applied += [f"{o['kind']}/{o['metadata']['name']}" for o in todo.pending]

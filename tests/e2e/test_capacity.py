@@ -41,3 +41,39 @@ def test_capacity_pending_until_a_node_fits(kube: Kube, operator, cluster, ns: s
         kube.kubectl("delete", "deployment", "-l", f"{LABEL_PIPELINE}=huge", "-n", ns, "--wait=false")
         wait_for(lambda: not kube.list("Pod", ns, f"{LABEL_PIPELINE}=huge"), 60, "huge's pods gone")
         cluster.remove_node(node)
+
+
+def test_a_rollout_with_no_room_for_a_surge_pod_goes_one_replica_at_a_time(kube: Kube, operator, cluster, ns: str):
+    """Two pods of 16 GPUs fill the only node that fits them: the rollout's surge pod finds no node, so the
+    operator trades one old pod for a new one at a time, and puts the spec's policy back when done."""
+    node = "gpu-32-0"
+    cluster.add_node(node, gpus=32)
+    doc = pipeline_doc("tight", [
+        {"name": "prep", "type": "python", "entrypoint": "omnifleet_runtime.stock:passthrough", "gpus": 0},
+        {"name": "big", "type": "llm", "gpus": 16, "replicas": 2, "inputs": ["prep"], "finalOutput": "text"},
+    ])
+    try:
+        kube.apply(with_namespace(doc, ns))
+        kube.wait_ready(ns, "tight", timeout=90)
+        selector = f"{LABEL_PIPELINE}=tight,omnifleet.dev/stage=big"
+        before = {q["metadata"]["name"] for q in kube.list("Pod", ns, selector)}
+        doc["spec"]["stages"][1]["engineArgs"] = {"max_num_seqs": 4}
+        kube.apply(with_namespace(doc, ns))
+        generation = kube.pipeline(ns, "tight")["metadata"]["generation"]
+
+        def strategy():
+            return kube.get("Deployment", ns, "tight-big")["spec"]["strategy"]["rollingUpdate"]
+
+        wait_for(lambda: strategy() == {"maxSurge": 0, "maxUnavailable": 1}, 60,
+                 lambda: f"one replica at a time: {strategy()}")
+        kube.wait_ready(ns, "tight", timeout=120, generation=generation)
+        wait_for(lambda: strategy() == {"maxSurge": 1, "maxUnavailable": 0}, 60,
+                 lambda: f"the spec's policy back: {strategy()}")
+        pods = [q for q in kube.list("Pod", ns, selector) if not q["metadata"].get("deletionTimestamp")]
+        assert len(pods) == 2 and not before & {q["metadata"]["name"] for q in pods}
+        assert {q["spec"]["nodeName"] for q in pods} == {node}
+    finally:
+        kube.kubectl("delete", "omnipipeline", "tight", "-n", ns, "--wait=false")
+        kube.kubectl("delete", "deployment", "-l", f"{LABEL_PIPELINE}=tight", "-n", ns, "--wait=false")
+        wait_for(lambda: not kube.list("Pod", ns, f"{LABEL_PIPELINE}=tight"), 60, "tight's pods gone")
+        cluster.remove_node(node)

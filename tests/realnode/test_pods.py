@@ -360,42 +360,39 @@ def test_a_rollout_whose_other_stage_cannot_load_keeps_the_old_revision_whole_an
         cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=json", "-p", json.dumps(
             [{"op": "replace", "path": f"/spec/stages/{index[s]}/engineArgs", "value": a} for s, a in args.items()]))
 
-    patch({"planner": {**old_args["planner"], "max_num_seqs": 6},
-           "writer": {**old_args["writer"], "max_model_len": 1_000_000}})
-
     def new_planner() -> dict | None:
         pods = [p for p in pipe.pods("omnifleet.dev/stage=planner") if p["metadata"]["name"] not in before["planner"]]
         return pods[0] if pods and all(c.get("started") for c in pods[0]["status"].get("containerStatuses")
                                        or [{"started": False}]) else None
 
-    pod = wait_for(new_planner, 300, "the planner's new pod to load its engine")
-    name = pod["metadata"]["name"]
-    # Loaded and registered, and kept out of service while its revision has no writer, for as long as we look.
-    assert check_outcomes(load(pipe, n=9), text, ids) == {"ok": 9}
-    planner = next(p for p in pipe.pods("omnifleet.dev/stage=planner") if p["metadata"]["name"] == name)
-    assert not any(c["type"] == "Ready" and c["status"] == "True" for c in planner["status"]["conditions"]), planner
-    now = kube.pods_by_component(pipe.ns, NAME)
-    assert set(before["planner"]) <= set(now["planner"]) and set(before["writer"]) <= set(now["writer"]), now
-
     def planner_revisions() -> list[dict] | None:
         status = kube.pipeline(pipe.ns, NAME).get("status") or {}
         return next((s.get("revisions") for s in status.get("stages") or [] if s["name"] == "planner"), None)
-
-    # The status lists the planner's pods per revision: the old one ready, the new (current) one not.
-    n = len(before["planner"])
-    wait_for(lambda: [(r["pods"], r["readyPods"], r["current"]) for r in planner_revisions() or []]
-             == [(n, n, False), (1, 0, True)],
-             60, lambda: f"the status to list the planner's revisions: {planner_revisions()}")
 
     def master_ready() -> dict:
         with urllib.request.urlopen(f"{pipe.url}/ready", timeout=10) as r:
             return json.loads(r.read())
 
-    # The master holds both planners, of two revisions, and still answers ready (the old one is whole).
-    wait_for(lambda: len(master_ready()["stages"]["planner"].get("revisions", {})) == 2, 60,
-             lambda: f"the master to hold the planners of both revisions: {master_ready()}")
-
-    patch(old_args)  # undo
+    patch({"planner": {**old_args["planner"], "max_num_seqs": 6},
+           "writer": {**old_args["writer"], "max_model_len": 1_000_000}})
+    try:
+        name = wait_for(new_planner, 300, "the planner's new pod to load its engine")["metadata"]["name"]
+        # Loaded and registered, and kept out of service while its revision has no writer, as long as we look.
+        assert check_outcomes(load(pipe, n=9), text, ids) == {"ok": 9}
+        planner = next(p for p in pipe.pods("omnifleet.dev/stage=planner") if p["metadata"]["name"] == name)
+        assert not any(c["type"] == "Ready" and c["status"] == "True" for c in planner["status"]["conditions"]), planner
+        now = kube.pods_by_component(pipe.ns, NAME)
+        assert set(before["planner"]) <= set(now["planner"]) and set(before["writer"]) <= set(now["writer"]), now
+        # The status lists the planner's pods per revision: the old one ready, the new (current) one not.
+        n = len(before["planner"])
+        wait_for(lambda: [(r["pods"], r["readyPods"], r["current"]) for r in planner_revisions() or []]
+                 == [(n, n, False), (1, 0, True)],
+                 60, lambda: f"the status to list the planner's revisions: {planner_revisions()}")
+        # The master holds both planners, of two revisions, and still answers ready (the old one is whole).
+        wait_for(lambda: len(master_ready()["stages"]["planner"].get("revisions", {})) == 2, 60,
+                 lambda: f"the master to hold the planners of both revisions: {master_ready()}")
+    finally:
+        patch(old_args)  # undo, also after a failed check: the module's next tests need the pipeline whole
     generation = kube.pipeline(pipe.ns, NAME)["metadata"]["generation"]
     kube.wait_ready(pipe.ns, NAME, timeout=420, generation=generation)
     wait_for(lambda: kube.pods_by_component(pipe.ns, NAME) == before, 180, "the new pods to go")

@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from omnifleet_operator import handlers
+from omnifleet_runtime import constants as C
 
 
 @pytest.fixture(autouse=True)
@@ -61,3 +62,16 @@ def test_pods_queue_a_pass_only_when_their_scheduling_changes():
     assert matters(sched, pod(scheduled=("True", None)))
     assert not matters(sched, pod(phase="Running", scheduled=("True", None)))
     assert matters(sched, pod(phase="Running", scheduled=("True", None)), "DELETED")
+
+
+def test_the_pod_index_keeps_what_status_and_rollouts_read_a_revision_and_a_deletion():
+    labels = {C.LABEL_PIPELINE: "p", C.LABEL_STAGE: "thinker"}
+    body = {"metadata": {"name": "p-thinker-x", "labels": labels, "uid": "u", "resourceVersion": "9",
+                         "annotations": {C.ANNOTATION_TEMPLATE_HASH: "abc", "other": "dropped"},
+                         "deletionTimestamp": "2026-12-02T00:00:00Z"},
+            "spec": {"containers": [{"name": "stage"}]}, "status": {"phase": "Running"}}
+    (kept,) = handlers.pods_idx(namespace="ns", labels=labels, body=body).values()
+    assert kept["metadata"] == {"name": "p-thinker-x", "labels": labels, "deletionTimestamp": "2026-12-02T00:00:00Z",
+                                "annotations": {C.ANNOTATION_TEMPLATE_HASH: "abc"}}
+    going = {**body, "metadata": {**body["metadata"], "deletionTimestamp": None}}
+    assert handlers._scheduling(going) != handlers._scheduling(body)  # a pod starting to go queues a pass
