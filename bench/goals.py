@@ -78,7 +78,7 @@ GOALS: tuple[Goal, ...] = (
          "ratio moves with the machine more than with the code: a slower machine slows the raw round trip more "
          "than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at e3cd3c6, 14.4x; "
          "2026-12-02: 147 us and 2.0 ms at b7072fa on an AMD EPYC, 13.7x; 188 us and 1.04 ms at a0094d1 on an Intel "
-         "Xeon, 5.5x: the reports' cpu rows)"),
+         "Xeon, 5.5x; 176 us and 0.90 ms at a15bb6b, 5.1x: the reports' cpu rows)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -87,7 +87,8 @@ GOALS: tuple[Goal, ...] = (
          "is left: a frame of 8 MiB or more crosses split over 8 connections and the receiver copies the pieces "
          "into one fresh buffer, faulting in every page; the producer's own 4 MiB frames, handed on as "
          "received, read 0.84-1.42x at 64-256 MiB in the same run at b7072fa (0.52x at 16 MiB, where the fixed "
-         "cost per request weighs most), 0.63-1.61x at a0094d1 where the runtime's own path read 0.61-0.88x"),
+         "cost per request weighs most), 0.63-1.61x at a0094d1 where the runtime's own path read 0.61-0.88x, "
+         "0.68-1.43x at a15bb6b where it read 0.71-0.88x"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -96,8 +97,9 @@ GOALS: tuple[Goal, ...] = (
     Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
          "<=", 1.2, why_missed="not known: the report's control (1 KiB requests while the same bulk traffic "
          "flows between two other processes) read 1.94x at 9a5f770, 1.59x at e7d1144 and 1.54x at b7072fa (1.50x "
-         "without it), 2.23x at a0094d1 (2.41x without it), which point at memory traffic, and 0.96x at e3cd3c6, "
-         "which does not; the master's bulk profile in the same report is where to look"),
+         "without it), 2.23x at a0094d1 (2.41x without it), which point at memory traffic, and 0.96x at e3cd3c6 "
+         "and 1.05x at a15bb6b (2.47x without it), which do not; the master's bulk profile in the same report is "
+         "where to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
@@ -124,9 +126,9 @@ GOALS: tuple[Goal, ...] = (
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
          "0.79-1.34x at 607d7c7 (0.91x, met), 0.54-1.22x at e7d1144 (0.86x; what changed in the llm stage's path "
          "between them is one branch per chunk), 0.51-1.39x at a0094d1 (0.77x) on an Intel Xeon, where the "
-         "direct side alone ranged 662-1389 tokens/s from round to round. Suspected, not measured: on the pipeline "
-         "side the master and both stage loops (the thinker's streamed chunks crossing to the talker at the "
-         "runtime's per-hop cost) run on the same two cores as the engines"),
+         "direct side alone ranged 662-1389 tokens/s from round to round; 0.73-1.35x at a15bb6b (0.93x, met). "
+         "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
+         "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
          ("ttfa_over_upstream_ttft_plus_hop",), "<=", 1.5,
          why_missed="the pipeline's own path (HTTP in, the master's dispatch, the thinker's first chunk to the "
@@ -140,7 +142,8 @@ GOALS: tuple[Goal, ...] = (
          "machine of a0094d1 (the report's cpu row) the rounds split: four at 1.6-1.9x, one at 4.1x and two at "
          "10.5-10.9x (first audio 59-78 ms against a first token of 5.6-7.1 ms), while one thinker token per "
          "request reads 1.68-1.92x in every round: suspected, not measured, that in the slow rounds the first "
-         "audio waits behind the engine decoding the rest of the answer on the same two cores"),
+         "audio waits behind the engine decoding the rest of the answer on the same two cores. At a15bb6b: 1.80x, "
+         "rounds 1.30-2.21x and one at 9.2x; one token 1.65-1.96x"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
