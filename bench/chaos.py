@@ -4,8 +4,8 @@
 
 The scenario is the test's own (tests/realnode/chaos.py, one code path): a bounded load of 3
 clients on the tiny vLLM pipeline while a seeded random pod (the master, a stage pod, an operator
-pod) is deleted every 10 s for 2 minutes; then the node's kubelet, and then containerd, stopped for
-30 s each under one client. The test writes its counts (sent, succeeded, refused at connect, errors
+pod) is deleted every 10 s for 2 minutes, then for 1 minute while both stages roll to a new revision;
+then the node's kubelet, and then containerd, stopped for 30 s each under one client. The test writes its counts (sent, succeeded, refused at connect, errors
 by kind, each kill, seconds from the last kill to everything back) to a file this reads; its
 pass/fail is recorded beside them. Results: bench/results/<date>-chaos.{json,md} with the commit.
 """
@@ -26,6 +26,7 @@ from . import common as C
 
 TEST = "tests/realnode/test_chaos.py"
 SCENARIOS = {"pods": "a random pod deleted every 10 s for 2 min",
+             "rollout": "a random pod deleted every 10 s for 1 min while both stages roll to a new revision",
              "kubelet": "the node's kubelet stopped for 30 s",
              "containerd": "the node's containerd stopped for 30 s"}
 

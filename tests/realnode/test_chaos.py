@@ -6,6 +6,7 @@ operator's pods and then the node's own processes are taken away.
   request's deadline), every answer is exact or a clear error, a request refused at connect (no
   master pod ready behind the Service) is counted apart, every request sent has exactly one
   outcome, everything is back afterwards and the answers are exact again.
+- The same while both stages roll to a new revision: at the end every pod runs it.
 - The node's kubelet, then its container runtime, stopped for 30 s and started again: the pipeline
   recovers with no manual step.
 
@@ -95,6 +96,38 @@ def test_random_pods_deleted_every_10s_under_load(pipe: Pipeline, cluster, kube)
     assert len(killer.kills) == 12, killer.kills
     assert_every_outcome_allowed(load)
     assert load.counts().get(chaos.OK, 0) >= 1
+    assert_exact_after(pipe, text, ids)
+
+
+def test_random_pods_deleted_during_a_rollout_of_both_stages(pipe: Pipeline, cluster, kube):
+    """The same, with both stages rolling to a new revision meanwhile: every answer exact or a clear error,
+    and at the end every pod of the new revision."""
+    text, ids = pipe.expected()
+    address = chaos.master_address(kube, pipe.ns, NAME)
+    body = chaos.chat_body(NAME, CHAT)
+    load = chaos.Load(lambda t0: chaos.ask(address, body, text, ids, t0), clients=3, seconds=90,
+                      max_requests=270).start()
+    assert load.wait_first_ok(120), load.outcomes
+    doc = kube.pipeline(pipe.ns, NAME)
+    patch = [{"op": "replace", "path": f"/spec/stages/{i}/engineArgs", "value": {**s["engineArgs"], "max_num_seqs": 5}}
+             for i, s in enumerate(doc["spec"]["stages"])]
+    cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=json", "-p", json.dumps(patch))
+    generation = doc["metadata"]["generation"] + 1
+    killer = chaos.Killer(cluster, kube, pipe.ns, NAME, STAGES, SEED + 1, period=10, duration=60)
+    killer.run(load.t0)
+    load.join()
+    recovery_s = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
+    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S, generation=generation)
+    record("rollout", chaos.report(load, killer.kills, recovery_s, seed=SEED + 1, restarts=restarts(pipe)))
+
+    assert_every_outcome_allowed(load)
+    assert load.counts().get(chaos.OK, 0) >= 1
+    for dep in kube.list("Deployment", pipe.ns, f"omnifleet.dev/pipeline={NAME},omnifleet.dev/component=stage"):
+        want = dep["spec"]["template"]["metadata"]["annotations"]["omnifleet.dev/template-hash"]
+        stage = dep["metadata"]["labels"]["omnifleet.dev/stage"]
+        pods = pipe.pods(f"omnifleet.dev/stage={stage}")
+        got = {q["metadata"]["annotations"]["omnifleet.dev/template-hash"] for q in pods}
+        assert got == {want}, (stage, got, want)
     assert_exact_after(pipe, text, ids)
 
 
