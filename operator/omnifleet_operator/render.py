@@ -327,11 +327,11 @@ def build_master_deployment(doc: OmniPipeline, owner_uid: str | None = None, key
         ],
         "env": env_list(m.env, extra=DOWNWARD_ENV + master_secret_env(doc)),
         "resources": resources_of([m.resources], 0),
-        # Readiness is the process being up: stages reach the master through this
-        # Service, so gating it on registered stages would deadlock. Pipeline
-        # readiness is /ready, read by the operator and by clients.
+        # Ready once every stage registered with it (or a warm-up passed): a new master then takes requests
+        # it can serve. Stages find masters through the headless Service, which lists unready ones too.
+        # Pipeline readiness is /ready, read by the operator and by clients.
         "startupProbe": http_probe("/health", C.PORT_NAME_HTTP, 2, 60),
-        "readinessProbe": http_probe("/health", C.PORT_NAME_HTTP, 5, 3),
+        "readinessProbe": http_probe("/readyz", C.PORT_NAME_HTTP, 5, 3),
         "livenessProbe": http_probe("/health", C.PORT_NAME_HTTP, 10, 6),
         "volumeMounts": [CONFIG_MOUNT, KEYS_MOUNT, TMP_MOUNT, *user_mounts(m.volume_mounts)],
         "securityContext": CONTAINER_SECURITY,
@@ -396,8 +396,9 @@ def build_master_service(doc: OmniPipeline, owner_uid: str | None = None) -> Obj
 def build_masters_service(doc: OmniPipeline, owner_uid: str | None = None) -> Obj:
     """Headless: its name resolves to every master's pod IP, and each stage replica registers with each.
 
-    Not-ready masters are listed too: a master is ready once it listens (its readiness is /health), and
-    a master failing its probe under load must keep its stages, not lose them to a DNS change.
+    Not-ready masters are listed too: a new master is ready only once the stages registered with it
+    (its /readyz), and a master failing its probe under load must keep its stages, not lose them to a
+    DNS change.
     """
     return {
         "apiVersion": "v1", "kind": "Service",

@@ -29,7 +29,7 @@ decoded here once (content.py).
 
 Who may call what: with an API key configured (spec.master.apiKeySecret),
 every `/v1/` endpoint wants `Authorization: Bearer <key>` (401 otherwise);
-`/health`, `/ready` and `/metrics` stay open for probes and scrapers. The
+`/health`, `/ready`, `/readyz` and `/metrics` stay open for probes and scrapers. The
 admin endpoints live on another port (admin.py). Every body is checked by
 limits.py before anything is dispatched (400 naming the field); at most
 `maxInflight` requests are served at once (429 with Retry-After beyond);
@@ -49,6 +49,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import constants as C
 from . import media, wire
 from .content import decode_messages, fetch_bounded, has_media
 from .httputil import as_text, bearer_ok, error_response, jsonable, unauthorized
@@ -77,6 +78,7 @@ class Api:
                                   companions=any(s.prompt_expand for s in self.spec.stages))
         self.inflight = 0
         self.draining = False  # SIGTERM: no new request; those in flight finish (master.py)
+        self.started, self.warm = time.monotonic(), False  # see readyz
         self.model_id = doc.metadata.name
         self.model_names = {self.model_id} | ({self.spec.model} if self.spec.model else set())
         # LoRA adapters by name, and the stages that serve each (the others run their base model).
@@ -93,6 +95,7 @@ class Api:
         app.add_routes([
             web.get("/health", self.health),
             web.get("/ready", self.ready),
+            web.get("/readyz", self.readyz),
             web.get("/metrics", self.metrics_endpoint),
             web.get("/v1/models", self.models),
             web.post("/v1/chat/completions", self.chat),
@@ -131,6 +134,20 @@ class Api:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """The master pod's readiness probe. A new master takes requests through the Service once every
+        stage has a replica registered with it (the stages find it within seconds: without this wait its
+        first requests would get 503 no replica while another master serves), or MASTER_WARMUP_S after it
+        started (then a stage without replicas gets its requests' clear 503s). Once ready it stays so: a
+        stage lost later is the pipeline's outage (/ready), not this master's, and its clients get a 503
+        naming the stage, not a refused connection."""
+        if not self.warm:
+            missing = [s for s in self.orch.membership.missing() if s not in self.orch.activation_s]
+            if missing and time.monotonic() - self.started < C.MASTER_WARMUP_S:
+                return web.json_response({"ready": False, "waiting_for": missing}, status=503)
+            self.warm = True
+        return web.json_response({"ready": True})
 
     async def ready(self, request: web.Request) -> web.Response:
         """Open (the operator reads it through the API server's service proxy): stage names, counts

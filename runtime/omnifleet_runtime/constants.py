@@ -89,6 +89,8 @@ ENV_ADMIN_TOKEN = "OMNIFLEET_ADMIN_TOKEN"  # bearer token of the admin port (fro
 # A stage worker's registration, as its pod's /readyz reads it: serving (the master routes to it), registered
 # but waiting (no master serves its revision yet), or not registered.
 WORKER_UNREGISTERED, WORKER_SERVING, WORKER_WAITING = 0, 1, 2
+# A new master's pod turns ready once every stage registered with it, or this long after it started.
+MASTER_WARMUP_S = 30.0
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 2.0
 # How long an accepted request waits for a replica of a stage that has none.

@@ -7,6 +7,7 @@ operator's pods and then the node's own processes are taken away.
   master pod ready behind the Service) is counted apart, every request sent has exactly one
   outcome, everything is back afterwards and the answers are exact again.
 - The same while both stages roll to a new revision: at the end every pod runs it.
+- Two masters, one deleted under load: no request fails but the going master's refusals.
 - The node's kubelet, then its container runtime, stopped for 30 s and started again: the pipeline
   recovers with no manual step.
 
@@ -128,6 +129,45 @@ def test_random_pods_deleted_during_a_rollout_of_both_stages(pipe: Pipeline, clu
         pods = pipe.pods(f"omnifleet.dev/stage={stage}")
         got = {q["metadata"]["annotations"]["omnifleet.dev/template-hash"] for q in pods}
         assert got == {want}, (stage, got, want)
+    assert_exact_after(pipe, text, ids)
+
+
+def test_with_two_masters_deleting_one_under_load_fails_no_request(pipe: Pipeline, cluster, kube):
+    """Two masters behind the Service: one is deleted (it drains) while 3 clients ask. Every request is
+    answered exactly, or (sent to the going master in the moments before its endpoint left every node's
+    proxy) with its clear 503 or a refused connection; the stages serve the survivor throughout, without
+    reloading an engine."""
+    text, ids = pipe.expected()
+    cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=merge", "-p", '{"spec":{"master":{"replicas":2}}}')
+    generation = kube.pipeline(pipe.ns, NAME)["metadata"]["generation"]
+    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S, generation=generation)
+    masters = [q["metadata"]["name"] for q in pipe.pods("omnifleet.dev/component=master")]
+    assert len(masters) == 2, masters
+    before = restarts(pipe)
+    address = chaos.master_address(kube, pipe.ns, NAME)
+    body = chaos.chat_body(NAME, CHAT)
+    load = chaos.Load(lambda t0: chaos.ask(address, body, text, ids, t0), clients=3, seconds=40,
+                      max_requests=400).start()
+    assert load.wait_first_ok(120), load.outcomes
+    time.sleep(10)
+    cluster.kubectl("delete", "pod", "-n", pipe.ns, masters[0], "--wait=false")
+    deleted = time.monotonic() - load.t0
+    load.join()
+    counts = load.counts()
+    record("two_masters", {"deleted_at_s": round(deleted, 1), "counts": counts})
+    assert_every_outcome_allowed(load)
+    others = [o for o in load.outcomes if o.kind != chaos.OK]
+    # Only the going master's refusals: its 503 while draining, or a connection it no longer takes.
+    assert all(o.kind == chaos.REFUSED or (o.kind == "503 unavailable" and "shutting down" in o.detail)
+               for o in others), others[:5]
+    assert counts.get(chaos.OK, 0) > len(others), counts
+    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S)
+    stages = {k: v for k, v in restarts(pipe).items() if k in before and "master" not in k}
+    assert stages == {k: v for k, v in before.items() if "master" not in k}  # no stage pod restarted
+    # Back to one master, as the module's next tests expect.
+    cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=merge", "-p", '{"spec":{"master":{"replicas":1}}}')
+    generation = kube.pipeline(pipe.ns, NAME)["metadata"]["generation"]
+    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S, generation=generation)
     assert_exact_after(pipe, text, ids)
 
 

@@ -91,3 +91,21 @@ def test_a_draining_pod_is_unready_at_once(make_fleet):
     status, body = wait_until(lambda: (r := fleet.get("/readyz", port=port))[0] == 503 and r, "readyz to turn 503")
     assert body["draining"] is True
     assert pod.popen.wait(timeout=30) == 0
+
+
+def test_a_new_master_is_ready_once_every_stage_registered_and_then_stays_ready(make_fleet):
+    """The master pod's readiness (/readyz): a master just up takes no request through the Service until
+    the stages found it; a stage lost later leaves it ready, so clients get the 503 naming the stage."""
+    fleet = make_fleet(pipeline(stage("a", "upper"), stage("b", "exclaim", inputs=["a"], finalOutput="text")))
+    fleet.start_master()
+    wait_until(lambda: fleet.try_get("/health") is not None, "the master to listen")
+    assert fleet.get("/readyz") == (503, {"ready": False, "waiting_for": ["a", "b"]})
+    fleet.start_pod("pod-a", "a")
+    wait_until(lambda: fleet.get("/readyz") == (503, {"ready": False, "waiting_for": ["b"]}), "a to register")
+    b = fleet.start_pod("pod-b", "b")
+    wait_until(lambda: fleet.get("/readyz") == (200, {"ready": True}), "the master to be ready")
+    b.signal_group(signal.SIGTERM)
+    wait_until(lambda: fleet.get("/ready")[0] == 503, "b to leave")
+    assert fleet.get("/readyz") == (200, {"ready": True})
+    status, body = fleet.http("POST", "/v1/completions", {"model": "test", "prompt": "hi"})
+    assert status == 503 and "b" in body["error"]["message"], body
