@@ -78,7 +78,8 @@ GOALS: tuple[Goal, ...] = (
          "ratio moves with the machine more than with the code: a slower machine slows the raw round trip more "
          "than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at e3cd3c6, 14.4x; "
          "2026-12-02: 147 us and 2.0 ms at b7072fa on an AMD EPYC, 13.7x; 188 us and 1.04 ms at a0094d1 on an Intel "
-         "Xeon, 5.5x; 176 us and 0.90 ms at a15bb6b, 5.1x: the reports' cpu rows)"),
+         "Xeon, 5.5x; 176 us and 0.90 ms at a15bb6b, 5.1x; 182 us and 0.89 ms at 7a0d074, 4.9x: the reports' cpu "
+         "rows)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -88,7 +89,7 @@ GOALS: tuple[Goal, ...] = (
          "into one fresh buffer, faulting in every page; the producer's own 4 MiB frames, handed on as "
          "received, read 0.84-1.42x at 64-256 MiB in the same run at b7072fa (0.52x at 16 MiB, where the fixed "
          "cost per request weighs most), 0.63-1.61x at a0094d1 where the runtime's own path read 0.61-0.88x, "
-         "0.68-1.43x at a15bb6b where it read 0.71-0.88x"),
+         "0.68-1.43x at a15bb6b where it read 0.71-0.88x, 0.80-1.58x at 7a0d074 where it read 0.72-0.85x"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -98,35 +99,36 @@ GOALS: tuple[Goal, ...] = (
          "<=", 1.2, why_missed="not known: the report's control (1 KiB requests while the same bulk traffic "
          "flows between two other processes) read 1.94x at 9a5f770, 1.59x at e7d1144 and 1.54x at b7072fa (1.50x "
          "without it), 2.23x at a0094d1 (2.41x without it), which point at memory traffic, and 0.96x at e3cd3c6 "
-         "and 1.05x at a15bb6b (2.47x without it), which do not; the master's bulk profile in the same report is "
-         "where to look"),
+         "and 1.05x at a15bb6b (2.47x without it), which do not, and 1.73x at 7a0d074 (1.62x without it); the "
+         "master's bulk profile in the same report is where to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
          "same report's co-located column at a7bd6df, 1.4-1.5 ms at b7072fa) is paid on top of a raw handoff of "
          "0.5-0.9 ms at 16-64 MiB, so those sizes sit at the limit and cross it from run to run (1.92x at 84ffd9b, "
          "2.20x at e3cd3c6, 2.02x at a346598, the same day; 2.32x at 26aea68; 2.46x at b7072fa; 2.07x at a7bd6df; "
-         "2.35x at 2b74f53); "
+         "2.35x at 2b74f53, 2.04x at 7a0d074); "
          "from 256 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most (0.61x at b7072fa, 0.75x at "
-         "a7bd6df, 0.73x at 2b74f53); from 64 MiB the split data path (8 streams) outruns the raw one-frame link "
-         "(2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53)"),
+         "a7bd6df, 0.73x at 2b74f53, 0.88x at 7a0d074: met); from 64 MiB the split data path (8 streams) "
+         "outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
          "unencrypted path (the same report's raw ceiling: 0.17-0.27x at every K at a7bd6df), and plain-auth gains "
          "as much from the same streams; what the streams give CurveZMQ: 1.0-2.6 GiB/s with the default 8, "
          "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at "
-         "26aea68, 0.36x at b7072fa, 0.38x at a7bd6df, 0.38x at 2b74f53 (0.49x at 16 MiB)"),
+         "26aea68, 0.36x at b7072fa, 0.38x at a7bd6df, 0.38x at 2b74f53 (0.49x at 16 MiB), 0.37x at 7a0d074"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
          "0.79-1.34x at 607d7c7 (0.91x, met), 0.54-1.22x at e7d1144 (0.86x; what changed in the llm stage's path "
          "between them is one branch per chunk), 0.51-1.39x at a0094d1 (0.77x) on an Intel Xeon, where the "
-         "direct side alone ranged 662-1389 tokens/s from round to round; 0.73-1.35x at a15bb6b (0.93x, met). "
+         "direct side alone ranged 662-1389 tokens/s from round to round; 0.73-1.35x at a15bb6b (0.93x, met), "
+         "0.84-1.19x at 7a0d074 (0.92x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -143,7 +145,9 @@ GOALS: tuple[Goal, ...] = (
          "10.5-10.9x (first audio 59-78 ms against a first token of 5.6-7.1 ms), while one thinker token per "
          "request reads 1.68-1.92x in every round: suspected, not measured, that in the slow rounds the first "
          "audio waits behind the engine decoding the rest of the answer on the same two cores. At a15bb6b: 1.80x, "
-         "rounds 1.30-2.21x and one at 9.2x; one token 1.65-1.96x"),
+         "rounds 1.30-2.21x and one at 9.2x; one token 1.65-1.96x. At 7a0d074 the slow rounds were the most: "
+         "9.26x (5 of 7 rounds clean of outside load), rounds three at 1.69-1.77x and four at 9.3-11.7x; one "
+         "token 1.48-3.24x (median 1.89x)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
