@@ -8,6 +8,7 @@ import copy
 import json
 
 import pytest
+import yaml
 
 from omnifleet_operator.devcluster.cluster import kstatus
 
@@ -161,6 +162,16 @@ def test_valid_pipeline_made_invalid_keeps_its_children(kube: Kube, operator, cl
               not in (("omnipipelines", "status"), ("events", None))]
     assert not writes, describe_writes(writes)
 
+    config = kube.get("ConfigMap", ns, "steady-config")["data"]["pipeline.yaml"]
     kube.patch_json("omnipipeline", ns, "steady", [{"op": "remove", "path": "/spec/stages/0/engineArgs"}])
     p = kube.wait_ready(ns, "steady", generation=gen + 2)
-    assert is_ready(p) and snapshot() == before  # back to the same spec: nothing to change
+    # Back to the same spec: nothing to change but the mounted config's generation (which orders the
+    # pipeline's revisions); no pod rolls.
+    wait_for(lambda: yaml.safe_load(kube.get("ConfigMap", ns, "steady-config")["data"]["pipeline.yaml"])
+             ["metadata"].get("generation") == gen + 2, 30, "the config to carry the new generation")
+    after = kube.get("ConfigMap", ns, "steady-config")["data"]["pipeline.yaml"]
+    assert after.replace(f"generation: {gen + 2}", f"generation: {gen}") == config
+    config_key = next(k for k in before if k[0] == "ConfigMap")
+    assert is_ready(p) and {k: v for k, v in snapshot().items() if k != config_key} == {
+        k: v for k, v in before.items() if k != config_key}
+    assert kube.pods_by_component(ns, "steady") == pods
