@@ -34,7 +34,8 @@ from . import metrics, names, render
 from .checks import Policy, check_document
 from .curvekeys import pipeline_keys
 from .drift import is_subset
-from .status import Event, Observed, compute_status, decisive, transition_events, wants_master_report
+from .status import (Event, Observed, compute_status, decisive, transition_events, unschedulable_condition,
+                     wants_master_report)
 
 log = logging.getLogger("omnifleet.reconcile")
 Obj = dict[str, Any]
@@ -287,11 +288,6 @@ def _template_hash(obj: Obj) -> str | None:
         C.ANNOTATION_TEMPLATE_HASH)
 
 
-def _unschedulable(pod: Obj) -> bool:
-    return any(c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
 def rollouts_without_room(wanted: list[Obj], children: Children) -> list[str]:
     """Stage Deployments whose rollout has no room for its surge pod (it finds no node): the rollout goes
     on one replica at a time (NO_ROOM) until it is done, then the spec's policy is back.
@@ -318,7 +314,7 @@ def rollouts_without_room(wanted: list[Obj], children: Children) -> list[str]:
         if _template_hash(live) != current or all(h == current for h in hashes):
             continue  # not rolling to this template (or just starting to: room is not known yet), or done
         held = (live["spec"].get("strategy") or {}).get("rollingUpdate") == NO_ROOM
-        if held or any(_unschedulable(p) and h == current for p, h in zip(pods, hashes)):
+        if held or any(unschedulable_condition(p) and h == current for p, h in zip(pods, hashes)):
             obj["spec"]["strategy"]["rollingUpdate"] = dict(NO_ROOM)
             if not held:
                 out.append(obj["metadata"]["name"])

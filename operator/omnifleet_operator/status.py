@@ -146,13 +146,16 @@ def _started_unready(pod: Obj) -> bool:
     return bool(statuses) and all(cs.get("started") is True for cs in statuses) and not _pod_ready(pod)
 
 
+def unschedulable_condition(pod: Obj) -> Obj | None:
+    """The pod's PodScheduled condition when the scheduler found no node for it."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return c
+    return None
+
+
 def _unschedulable(pods: list[Obj], view: "StageView") -> list[Obj]:
-    out = []
-    for pod in _pods_of(pods, view):
-        for c in (pod.get("status") or {}).get("conditions") or []:
-            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
-                out.append(c)
-    return out
+    return [c for pod in _pods_of(pods, view) if (c := unschedulable_condition(pod)) is not None]
 
 
 @dataclass(frozen=True)
