@@ -2,7 +2,7 @@
 HTTP/1.1 keep-alive client, per-process CPU readings from /proc, and result files.
 
 The fleet is the pattern of tests/runtime/fleet_harness.py (a master and stage pods
-as real processes on loopback ports, each in its own session, killed at the end),
+as real processes on loopback ports, each in a process group of its own, killed at the end),
 started through `bench.wrapper` so the benchmarks can drive the orchestrator
 without HTTP and switch cProfile on.
 """
@@ -320,8 +320,13 @@ class Proc:
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path):
         self.name, self.log_path = name, log_path
         self.log = open(log_path, "ab")
+        # A process group of its own (Fleet.stop kills it whole) in the benchmark's session: a session each
+        # would put each pod in a scheduling group of its own (the kernel's autogroup), and a pod that wakes
+        # after idling (a stage sent one chunk) then waited 40-60 ms behind another pod's busy processes on a
+        # two-core machine (measured on the speech pipeline): a cost of the way processes were started here,
+        # not of the pipeline. In Kubernetes a pod's CPU comes from its cgroup's requests and limits.
         self.popen = subprocess.Popen([sys.executable, "-m", "bench.wrapper", *args], env=env, cwd=ROOT,
-                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+                                      stdout=self.log, stderr=subprocess.STDOUT, process_group=0)
 
     @property
     def pid(self) -> int:

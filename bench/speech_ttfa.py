@@ -6,7 +6,9 @@ A master and two stage pods (real processes on loopback, as `omnifleet master|st
 through bench.wrapper): thinker (vLLM on the tiny Qwen2 model the tests generate, greedy,
 `ignore_eos`) streams its tokens into vocoder (a python stage in `stream` input mode,
 `bench.fns:vocode`: 10 ms of 24 kHz audio per token delta, at once, so that the figure is the
-pipeline's and not a vocoder's).
+pipeline's and not a vocoder's). The processes share the benchmark's session, so the kernel schedules
+them as one group (a session each had a pod that woke for a chunk wait 40-60 ms behind the thinker's
+busy engine processes: bench.common.Proc).
 
 Each round, in alternating order (odd rounds pipeline first), `--requests` requests one after
 another per side:
