@@ -135,20 +135,17 @@ GOALS: tuple[Goal, ...] = (
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
          ("ttfa_over_upstream_ttft_plus_hop",), "<=", 1.5,
          why_missed="the pipeline's own path (HTTP in, the master's dispatch, the thinker's first chunk to the "
-         "vocoder, the vocoder's audio to the master, PCM out: three message hops at the runtime's per-hop cost, "
-         "the data-plane goal above) adds about 11 ms to the engine's 14.2 ms first token (medians at ef7a9bd: "
-         "25.4 ms to first audio, 1.67x; 1.63x with one thinker token per request, so it is not the engine's "
-         "decoding of the rest on the same two cores). Runs on this machine vary widely: at e3cd3c6 1.74x, "
-         "the run at 607d7c7, rounds from 1.54x to 8.53x, every one counted clean of outside load, at "
-         "e7d1144 1.53x, rounds 1.45-1.78x, and at e0493b0 1.57x, rounds 1.45-1.71x: the runtime driving its "
-         "sockets itself, which took a fifth off the data plane's hop, did not move it. On the Intel Xeon "
-         "machine of a0094d1 (the report's cpu row) the rounds split: four at 1.6-1.9x, one at 4.1x and two at "
-         "10.5-10.9x (first audio 59-78 ms against a first token of 5.6-7.1 ms), while one thinker token per "
-         "request reads 1.68-1.92x in every round: suspected, not measured, that in the slow rounds the first "
-         "audio waits behind the engine decoding the rest of the answer on the same two cores. At a15bb6b: 1.80x, "
-         "rounds 1.30-2.21x and one at 9.2x; one token 1.65-1.96x. At 7a0d074 the slow rounds were the most: "
-         "9.26x (5 of 7 rounds clean of outside load), rounds three at 1.69-1.77x and four at 9.3-11.7x; one "
-         "token 1.48-3.24x (median 1.89x)"),
+         "vocoder, the vocoder function's hand-off to a worker thread, its audio to the master, PCM out: three "
+         "message hops at the runtime's per-hop cost, the data-plane goal above) adds 3.5-4 ms to an engine's "
+         "first token of 5-6 ms on this machine (a per-process timeline of single requests at 3d8c04f: client to "
+         "the thinker's Dispatch 1.1-1.4 ms, its first chunk about 0.9 ms after what its engine alone takes, then "
+         "1.5-2.0 ms to the client's first bytes). The rounds of 9-12x before 3d8c04f (first audio 60-90 ms: "
+         "7a0d074, a15bb6b, a0094d1; 1.54-8.53x at 607d7c7) were the benchmark's own: it started each pod in a "
+         "session of its own, so the kernel's autogroup scheduling gave each a group of its own, and the vocoder "
+         "and the master, woken for a chunk, waited 40-60 ms behind the thinker's busy engine processes on the "
+         "two cores (a stall watcher thread in every process showed them stalled together until the thinker's "
+         "last token; with autogroup off no request was slow); since 3d8c04f the fleet shares the benchmark's "
+         "session. Before: 1.53x and 1.57x on an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
