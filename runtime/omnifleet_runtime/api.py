@@ -135,6 +135,11 @@ class Api:
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    def _missing(self) -> list[str]:
+        """Stages without a replica that takes new work, but for those that scale to zero (idle, not missing:
+        their requests wait for one)."""
+        return [s for s in self.orch.membership.missing() if s not in self.orch.activation_s]
+
     async def readyz(self, request: web.Request) -> web.Response:
         """The master pod's readiness probe. A new master takes requests through the Service once every
         stage has a replica registered with it (the stages find it within seconds: without this wait its
@@ -143,7 +148,7 @@ class Api:
         stage lost later is the pipeline's outage (/ready), not this master's, and its clients get a 503
         naming the stage, not a refused connection."""
         if not self.warm:
-            missing = [s for s in self.orch.membership.missing() if s not in self.orch.activation_s]
+            missing = self._missing()
             if missing and time.monotonic() - self.started < C.MASTER_WARMUP_S:
                 return web.json_response({"ready": False, "waiting_for": missing}, status=503)
             self.warm = True
@@ -163,8 +168,7 @@ class Api:
                 when, reason = ms.refusals[s]
                 entry["lastRefusal"] = {"reason": reason, "secondsAgo": round(now - when, 1)}
             stages[s] = entry
-        # A stage that scales to zero and has no replica is idle, not missing: its requests wait for one.
-        missing = [s for s in ms.missing() if s not in self.orch.activation_s]
+        missing = self._missing()
         for s in ms.missing():
             if s in self.orch.activation_s:
                 stages[s]["scaledToZero"] = True

@@ -128,6 +128,10 @@ class Membership:
         want = revisions.get(rep.stage, "")
         return not want or not rep.revision or rep.revision == want
 
+    def _has(self, stage: str, revisions: Revisions) -> bool:
+        """Whether a routable replica of stage fits revisions."""
+        return any(self.fits(r, revisions) for r in self.routable(stage))
+
     def combo(self, stages: list[str] | tuple[str, ...]) -> Revisions | None:
         """The newest pipeline revision with a routable replica of each of `stages` (None: no revision has
         them all). Cached until membership changes: the request path reads it once per request."""
@@ -138,7 +142,7 @@ class Membership:
         found = None
         for _, items in self._candidates():
             revisions = dict(items)
-            if all(any(self.fits(r, revisions) for r in self.routable(s)) for s in stages):
+            if all(self._has(s, revisions) for s in stages):
                 found = revisions
                 break
         if len(self._combos) > 64:  # one entry per set of stages requests use: few
@@ -159,7 +163,7 @@ class Membership:
         """Why no revision has every stage: what the newest one lacks."""
         generation, items = self._candidates()[0]
         revisions = dict(items)
-        lack = [s for s in stages if not any(self.fits(r, revisions) for r in self.routable(s))]
+        lack = [s for s in stages if not self._has(s, revisions)]
         return f"the newest revision (generation {generation}) has no replica of stage(s) {', '.join(lack)}"
 
     def revisions_present(self, stage: str) -> dict[str, int]:

@@ -220,10 +220,8 @@ async def readable(socks: list[Socket], timeout_s: float) -> list[Socket]:
 def _forget(sock: Socket, entry: tuple[int, asyncio.Future]) -> None:
     """A waiter that timed out or was cancelled leaves the socket's list at once (a quiet socket's
     reader callback, which also drops them, may not run for hours)."""
-    try:
+    if entry in sock._waiters:  # a miss in remove() would build its message from the Future's repr
         sock._waiters.remove(entry)
-    except ValueError:
-        pass
 
 
 class Oversized(Exception):
