@@ -108,13 +108,14 @@ GOALS: tuple[Goal, ...] = (
          "same report's co-located column at a7bd6df, 1.4-1.5 ms at b7072fa) is paid on top of a raw handoff of "
          "0.5-0.9 ms at 16-64 MiB, so those sizes sit at the limit and cross it from run to run (1.92x at 84ffd9b, "
          "2.20x at e3cd3c6, 2.02x at a346598, the same day; 2.32x at 26aea68; 2.46x at b7072fa; 2.07x at a7bd6df; "
-         "2.35x at 2b74f53, 2.04x at 7a0d074); "
+         "2.35x at 2b74f53, 2.04x at 7a0d074, 2.28x at bd3d11b, at 64 MiB, where 16 MiB read 1.46x); "
          "from 256 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most (0.61x at b7072fa, 0.75x at "
-         "a7bd6df, 0.73x at 2b74f53, 0.88x at 7a0d074: met); from 64 MiB the split data path (8 streams) "
+         "a7bd6df, 0.73x at 2b74f53, 0.88x at 7a0d074: met, 0.57x at bd3d11b); from 64 MiB the split data path "
+         "(8 streams) "
          "outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
@@ -122,7 +123,9 @@ GOALS: tuple[Goal, ...] = (
          "unencrypted path (the same report's raw ceiling: 0.17-0.27x at every K at a7bd6df), and plain-auth gains "
          "as much from the same streams; what the streams give CurveZMQ: 1.0-2.6 GiB/s with the default 8, "
          "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at "
-         "26aea68, 0.36x at b7072fa, 0.38x at a7bd6df, 0.38x at 2b74f53 (0.49x at 16 MiB), 0.37x at 7a0d074"),
+         "26aea68, 0.36x at b7072fa, 0.38x at a7bd6df, 0.38x at 2b74f53 (0.49x at 16 MiB), 0.37x at 7a0d074, "
+         "0.36x at bd3d11b. Twice the streams is not the lever: a run at bd3d11b with 16 (CurveZMQ 2.5-4.6 GiB/s) "
+         "read 0.35-0.46x the default plain-auth of the same run at 64-256 MiB (not kept: an experiment)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
