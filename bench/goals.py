@@ -79,8 +79,8 @@ GOALS: tuple[Goal, ...] = (
          "ratio moves with the machine more than with the code: a slower machine slows the raw round trip more "
          "than the hop (2026-12-01: 47 us and 1.6 ms at 9a5f770, 33.8x; 153 us and 2.2 ms at e3cd3c6, 14.4x; "
          "2026-12-02: 147 us and 2.0 ms at b7072fa on an AMD EPYC, 13.7x; 188 us and 1.04 ms at a0094d1 on an Intel "
-         "Xeon, 5.5x; 176 us and 0.90 ms at a15bb6b, 5.1x; 182 us and 0.89 ms at 7a0d074, 4.9x: the reports' cpu "
-         "rows)"),
+         "Xeon, 5.5x; 176 us and 0.90 ms at a15bb6b, 5.1x; 182 us and 0.89 ms at 7a0d074, 4.9x; 185 us and 0.91 "
+         "ms at 2f5d218, 4.9x: the reports' cpu rows)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -90,7 +90,8 @@ GOALS: tuple[Goal, ...] = (
          "into one fresh buffer, faulting in every page; the producer's own 4 MiB frames, handed on as "
          "received, read 0.84-1.42x at 64-256 MiB in the same run at b7072fa (0.52x at 16 MiB, where the fixed "
          "cost per request weighs most), 0.63-1.61x at a0094d1 where the runtime's own path read 0.61-0.88x, "
-         "0.68-1.43x at a15bb6b where it read 0.71-0.88x, 0.80-1.58x at 7a0d074 where it read 0.72-0.85x"),
+         "0.68-1.43x at a15bb6b where it read 0.71-0.88x, 0.80-1.58x at 7a0d074 where it read 0.72-0.85x, "
+         "0.79-1.35x at 2f5d218 where it read 0.76-0.97x"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -100,7 +101,8 @@ GOALS: tuple[Goal, ...] = (
          "<=", 1.2, why_missed="not known: the report's control (1 KiB requests while the same bulk traffic "
          "flows between two other processes) read 1.94x at 9a5f770, 1.59x at e7d1144 and 1.54x at b7072fa (1.50x "
          "without it), 2.23x at a0094d1 (2.41x without it), which point at memory traffic, and 0.96x at e3cd3c6 "
-         "and 1.05x at a15bb6b (2.47x without it), which do not, and 1.73x at 7a0d074 (1.62x without it); the "
+         "and 1.05x at a15bb6b (2.47x without it), which do not, and 1.73x at 7a0d074 (1.62x without it), 2.19x at "
+         "2f5d218 (1.37x without it); the "
          "master's bulk profile in the same report is where to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
