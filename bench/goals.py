@@ -102,8 +102,7 @@ GOALS: tuple[Goal, ...] = (
          "flows between two other processes) read 1.94x at 9a5f770, 1.59x at e7d1144 and 1.54x at b7072fa (1.50x "
          "without it), 2.23x at a0094d1 (2.41x without it), which point at memory traffic, and 0.96x at e3cd3c6 "
          "and 1.05x at a15bb6b (2.47x without it), which do not, and 1.73x at 7a0d074 (1.62x without it), 2.19x at "
-         "2f5d218 (1.37x without it); the "
-         "master's bulk profile in the same report is where to look"),
+         "2f5d218 (1.37x without it); the master's bulk profile in the same report is where to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
@@ -117,8 +116,7 @@ GOALS: tuple[Goal, ...] = (
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most (0.61x at b7072fa, 0.75x at "
          "a7bd6df, 0.73x at 2b74f53, 0.88x at 7a0d074: met, 0.57x at bd3d11b); from 64 MiB the split data path "
-         "(8 streams) "
-         "outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074)"),
+         "(8 streams) outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
@@ -126,8 +124,7 @@ GOALS: tuple[Goal, ...] = (
          "as much from the same streams; what the streams give CurveZMQ: 1.0-2.6 GiB/s with the default 8, "
          "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at "
          "26aea68, 0.36x at b7072fa, 0.38x at a7bd6df, 0.38x at 2b74f53 (0.49x at 16 MiB), 0.37x at 7a0d074, "
-         "0.36x at bd3d11b. Twice the streams is not the lever: a run at bd3d11b with 16 (CurveZMQ 2.5-4.6 GiB/s) "
-         "read 0.35-0.46x the default plain-auth of the same run at 64-256 MiB (not kept: an experiment)"),
+         "0.36x at bd3d11b"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
@@ -141,16 +138,14 @@ GOALS: tuple[Goal, ...] = (
          ("ttfa_over_upstream_ttft_plus_hop",), "<=", 1.5,
          why_missed="the pipeline's own path (HTTP in, the master's dispatch, the thinker's first chunk to the "
          "vocoder, the vocoder function's hand-off to a worker thread, its audio to the master, PCM out: three "
-         "message hops at the runtime's per-hop cost, the data-plane goal above) adds 3.5-4 ms to an engine's "
-         "first token of 5-6 ms on this machine (a per-process timeline of single requests at 3d8c04f: client to "
-         "the thinker's Dispatch 1.1-1.4 ms, its first chunk about 0.9 ms after what its engine alone takes, then "
-         "1.5-2.0 ms to the client's first bytes). The rounds of 9-12x before 3d8c04f (first audio 60-90 ms: "
-         "7a0d074, a15bb6b, a0094d1; 1.54-8.53x at 607d7c7) were the benchmark's own: it started each pod in a "
-         "session of its own, so the kernel's autogroup scheduling gave each a group of its own, and the vocoder "
-         "and the master, woken for a chunk, waited 40-60 ms behind the thinker's busy engine processes on the "
-         "two cores (a stall watcher thread in every process showed them stalled together until the thinker's "
-         "last token; with autogroup off no request was slow); since 3d8c04f the fleet shares the benchmark's "
-         "session. Before: 1.53x and 1.57x on an AMD EPYC (e7d1144, e0493b0)"),
+         "message hops at the runtime's per-hop cost, the data-plane goal above) is paid on top of the engine's "
+         "first token. The rounds of 9-12x in the runs before 3d8c04f (7a0d074, a15bb6b, a0094d1) were the "
+         "benchmark's own: it started each pod in a session of its own, so the kernel's autogroup scheduling gave "
+         "each a group of its own, and the vocoder and the master, woken for a chunk, were not scheduled until "
+         "the thinker's busy engine processes finished the answer on the two cores (found with a probe, not a "
+         "benchmark: a per-process timeline and a stall watcher thread in every process; with autogroup off no "
+         "request was slow); since 3d8c04f the fleet shares the benchmark's session. Before: 1.53x and 1.57x on "
+         "an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
