@@ -227,7 +227,8 @@ def main(argv: list[str]) -> int:
         width = max(len(p.name) for p in procs)
         lock = threading.Lock()
         stopping = threading.Event()
-        # Ctrl-C reaches only this runner (children have their own sessions), which stops them in order.
+        # Ctrl-C reaches only this runner (each child leads a process group of its own, outside the
+        # terminal's foreground group), which stops them in order.
         old = signal.signal(signal.SIGINT, lambda *_: stopping.set())
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())
         signal.signal(signal.SIGHUP, lambda *_: stopping.set())  # the terminal closed
@@ -235,8 +236,11 @@ def main(argv: list[str]) -> int:
         try:
             for proc in procs:
                 # Started from the main thread: the parent-death signal follows the forking thread.
-                proc.popen = subprocess.Popen(proc.argv, env=proc.env, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, start_new_session=True,
+                # A process group, not a session: where the kernel groups CPU time per session
+                # (autogroup), a session each gave a stage woken for one streamed chunk only its group's
+                # share while another stage's engine kept the cores busy.
+                proc.popen = subprocess.Popen(proc.argv, env=proc.env, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
                                               preexec_fn=parent_death_preexec(signal.SIGTERM))
                 threading.Thread(target=_pump, args=(proc, width, lock), daemon=True).start()
             model = doc["metadata"]["name"]

@@ -24,8 +24,10 @@ class Runner:
         path = tmp_path / "pipeline.yaml"
         path.write_text(yaml.safe_dump(doc))
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": PYTHONPATH, "OMNIFLEET_TEST_DIR": str(tmp_path)}
+        # A job of its own, as a shell starts one: Ctrl-C goes to its process group.
         self.popen = subprocess.Popen([sys.executable, "-c", RUNNER, "-f", str(path), *overrides], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      process_group=0)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=lambda: [self.lines.put(l) for l in self.popen.stdout], daemon=True).start()
@@ -73,7 +75,13 @@ def test_run_starts_every_rendered_pod_and_stops_on_ctrl_c(tmp_path):
         assert out.choices[0].message.content == "LOCAL!"
         # The final stage's pod serves its series on the port the runner printed.
         assert Scrape(metrics_port).value("omnifleet_worker_requests_total", stage="c", outcome="ok") == 1
-        runner.popen.send_signal(signal.SIGINT)
+        # Every process it started stays in its session (one CPU group where the kernel groups by session)
+        # and leads a process group of its own (out of reach of the terminal's Ctrl-C).
+        started = _children().get(runner.popen.pid, [])
+        assert len(started) == 4, started  # the master and three pods
+        for pid in started:
+            assert (os.getsid(pid), os.getpgid(pid)) == (os.getsid(runner.popen.pid), pid), pid
+        os.killpg(runner.popen.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground group
         assert runner.popen.wait(timeout=60) == 0
     finally:
         runner.kill()
