@@ -58,6 +58,19 @@ CHILD_KINDS = {
 }
 
 
+# A create-only apply: server-side apply carrying this resourceVersion creates an absent object and is
+# refused (409) for an existing one, whoever holds it: a child's name is claimed in the same request that
+# makes it, with no read before. etcd's first write is revision 2, so no stored object has this version.
+CREATE_ONLY_RV = "1"
+# A new pipeline's children are made in two waves: its workloads (whose pods take nodes and GPUs) only
+# after every other name was free.
+WORKLOAD_KINDS = frozenset({"Deployment", "HorizontalPodAutoscaler"})
+
+
+class Exists(Exception):
+    """A create-only apply found an object of that name."""
+
+
 # The master's /ready is read through the API server only while a stage's pods are loaded yet
 # unregistered, at most this often per pipeline; between reads the last answer stands.
 MASTER_READ_SECONDS = 15.0
@@ -187,14 +200,22 @@ class AppliedCache:
     def forget(self, key: tuple[str, str, str, str]) -> None:
         self.entries.pop(key, None)
 
+    def knows(self, obj: Obj) -> bool:
+        """Whether this operator applied an object of obj's kind and name (and saw no deletion of it)."""
+        return object_key(obj) in self.entries
+
     def pending(self, obj: Obj, live: Obj | None) -> bool:
-        entry = self.entries.get(object_key(obj))
-        if entry is None or entry[0] != render.stable_hash(obj):
+        key = object_key(obj)
+        entry = self.entries.get(key)
+        if entry is None:
             return False
-        if live is None:
-            return True  # created here, its ADDED event not seen yet (a deletion forgets the entry)
-        rv = _resource_version(live)
-        return rv is not None and rv < entry[1]
+        rv = _resource_version(live) if live is not None else None
+        if rv is not None and rv >= entry[1]:
+            del self.entries[key]  # the watch shows the write: nothing left to remember (nor to hash)
+            return False
+        if entry[0] != render.stable_hash(obj):
+            return False
+        return live is None or rv is not None  # created here, its ADDED event not seen yet, or an older object
 
 
 @dataclass
@@ -202,16 +223,19 @@ class Plan:
     apply: list[Obj]
     delete: list[Obj]
     pending: list[Obj] = field(default_factory=list)
+    create: list[Obj] = field(default_factory=list)  # not in the watch: made create-only (see CREATE_ONLY_RV)
 
 
 def plan(desired: list[Obj], children: Children, uid: str, cache: AppliedCache | None = None) -> Plan:
-    """What to apply (missing or drifted), what is pending, what to delete (ours, no longer desired)."""
+    """What to create (missing), to apply (drifted), what is pending, what to delete (ours, no longer desired)."""
     wanted = {(o["apiVersion"], o["kind"], o["metadata"]["name"]) for o in desired}
     out = Plan([], [])
     for o in desired:
         live = children.find(o["apiVersion"], o["kind"], o["metadata"]["name"])
         if cache is not None and cache.pending(o, live):
             out.pending.append(o)
+        elif live is None:
+            out.create.append(o)
         elif not is_subset(o, live):
             out.apply.append(o)
     # The keys Secret is never rendered (its data is made here) and lives as long as the pipeline.
@@ -321,21 +345,18 @@ def rollouts_without_room(wanted: list[Obj], children: Children) -> list[str]:
     return out
 
 
-async def find_conflicts(api: "Api", wanted: list[Obj], children: Children, uid: str,
-                         cache: AppliedCache | None) -> list[str]:
-    """Objects holding a wanted child's name that this pipeline does not control.
+def ref(obj: Obj) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
 
-    The watch sees only labeled objects; one about to be created (not in it,
-    not just created by this operator) is read once, so an unlabeled object
-    of that name is found too.
-    """
+
+def watched_conflicts(wanted: list[Obj], children: Children, uid: str) -> list[str]:
+    """Wanted children's names held, in the watch, by objects this pipeline does not control. The watch
+    sees only labeled objects: an unlabeled one of such a name is found by the create-only apply."""
     out = []
     for o in wanted:
         live = children.find(o["apiVersion"], o["kind"], o["metadata"]["name"])
-        if live is None and not (cache is not None and cache.pending(o, None)):
-            live = await api.get(o)
         if live is not None and not controlled_by(live, uid):
-            out.append(f"{o['kind']}/{o['metadata']['name']}")
+            out.append(ref(o))
     return out
 
 
@@ -347,14 +368,21 @@ class Api:
         self.client = client or AsyncClient(field_manager=C.FIELD_MANAGER)
         self.slots = asyncio.Semaphore(applies_in_flight)
 
-    async def apply(self, obj: Obj) -> int | None:
-        """Server-side apply; the resourceVersion of the result."""
+    async def apply(self, obj: Obj, create_only: bool = False) -> int | None:
+        """Server-side apply; the resourceVersion of the result. `create_only`: raise Exists, writing
+        nothing, when an object of that name exists."""
         res = CHILD_KINDS[(obj["apiVersion"], obj["kind"])]
+        body = {**obj, "metadata": {**obj["metadata"], "resourceVersion": CREATE_ONLY_RV}} if create_only else obj
         async with self.slots:
             with _counted(obj["kind"], "apply"):
-                out = await self.client.patch(res, obj["metadata"]["name"], obj,
-                                              namespace=obj["metadata"]["namespace"], patch_type=PatchType.APPLY,
-                                              field_manager=C.FIELD_MANAGER, force=True)
+                try:
+                    out = await self.client.patch(res, obj["metadata"]["name"], body,
+                                                  namespace=obj["metadata"]["namespace"], patch_type=PatchType.APPLY,
+                                                  field_manager=C.FIELD_MANAGER, force=True)
+                except ApiError as err:
+                    if create_only and err.status.code == 409:
+                        raise Exists(ref(obj)) from None
+                    raise
         try:
             return int(out.metadata.resourceVersion)
         except (AttributeError, TypeError, ValueError):
@@ -429,6 +457,69 @@ def _api_error_text(err: Exception) -> str:
 
 
 @dataclass
+class Writes:
+    """One pass's writes: applied, made (create-only), found taken, and the first error."""
+
+    done: list[Obj] = field(default_factory=list)
+    created: list[Obj] = field(default_factory=list)
+    taken: list[Obj] = field(default_factory=list)  # a create-only apply found the name in use
+    ours: list[Obj] = field(default_factory=list)  # of those, this pipeline's (not in the watch yet)
+    error: str | None = None
+
+    def record(self, obj: Obj, rv: int | None, cache: AppliedCache | None, created: bool) -> None:
+        if cache is not None:
+            cache.record(obj, rv)
+        self.done.append(obj)
+        if created:
+            self.created.append(obj)
+
+    async def apply(self, api: Api, objs: list[Obj], cache: AppliedCache | None, create_only: bool = False) -> None:
+        results = await asyncio.gather(*(api.apply(o, create_only=create_only) for o in objs), return_exceptions=True)
+        for obj, rv in zip(objs, results):
+            if isinstance(rv, asyncio.CancelledError):
+                raise rv
+            if isinstance(rv, Exists):
+                self.taken.append(obj)
+            elif isinstance(rv, BaseException):  # reported in status; the next pass retries
+                self.error = self.error or _api_error_text(rv)
+            else:
+                self.record(obj, rv, cache, created=create_only)
+
+    async def resolve(self, api: Api, uid: str) -> list[str]:
+        """Who holds the names found taken: the names others hold (conflicts)."""
+        if not self.taken:
+            return []
+        try:
+            foreign, ours = await _taken(api, self.taken, uid)
+        except Exception as err:
+            self.error = self.error or _api_error_text(err)
+            return []
+        finally:
+            self.taken = []
+        self.ours += ours
+        return foreign
+
+    async def undo(self, api: Api, cache: AppliedCache | None) -> None:
+        """Delete what this pass made (a name of the pipeline turned out taken)."""
+        for obj in self.created:
+            try:
+                await api.delete(obj)
+            except Exception as err:  # left to the pipeline's garbage collection
+                self.error = self.error or _api_error_text(err)
+            if cache is not None:
+                cache.forget(object_key(obj))
+        self.done, self.created = [], []
+
+
+async def _taken(api: Api, objs: list[Obj], uid: str) -> tuple[list[str], list[Obj]]:
+    """Of objects whose names a create-only apply found in use: the names others hold, and the live
+    objects that are this pipeline's."""
+    lives = await asyncio.gather(*(api.get(o) for o in objs))
+    foreign = [ref(o) for o, live in zip(objs, lives) if live is not None and not controlled_by(live, uid)]
+    return foreign, [live for live in lives if live is not None and controlled_by(live, uid)]
+
+
+@dataclass
 class Outcome:
     applied: int = 0
     deleted: int = 0
@@ -460,27 +551,36 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
     applied: list[str] = []
     conflicts: list[str] = []
     if doc is not None:
+        writes = Writes()
         try:
             secret = render.build_keys_secret(doc, {}, uid)
-            live_secret = children.find("v1", "Secret", secret["metadata"]["name"]) or await api.get(secret)
-            keys_hash = render.secret_data_hash(live_secret["data"]) if usable_keys(live_secret) else None
+            live_secret = children.find("v1", "Secret", secret["metadata"]["name"])
+            if live_secret is None and cache is not None and cache.knows(secret):
+                live_secret = await api.get(secret)  # made by an earlier pass, its ADDED event not seen yet
+            new_keys = None
+            if usable_keys(live_secret):
+                keys_hash = render.secret_data_hash(live_secret["data"])
+            else:  # no keys yet (or the Secret was deleted or emptied): new ones; the pods roll onto them
+                new_keys = render.build_keys_secret(doc, pipeline_keys(), uid)
+                keys_hash = render.secret_data_hash(new_keys["data"])
             # The CR's namespace is where children go, whatever the spec document said.
             wanted = render.desired(doc, owner_uid=uid, keys_hash=keys_hash)
-            conflicts = await find_conflicts(api, wanted, children, uid, cache)
+            conflicts = watched_conflicts(wanted, children, uid)
             if live_secret is not None and not controlled_by(live_secret, uid):
-                conflicts.append(f"Secret/{secret['metadata']['name']}")
-            if not conflicts and keys_hash is None:
-                # No keys yet (or the Secret was deleted or emptied): new ones; the pods roll onto them.
-                secret = render.build_keys_secret(doc, pipeline_keys(), uid)
-                await api.apply(secret)
-                applied.append(f"Secret/{secret['metadata']['name']}")
-                outcome.applied += 1
-                wanted = render.desired(doc, owner_uid=uid, keys_hash=render.secret_data_hash(secret["data"]))
+                conflicts.append(ref(secret))
+            if not conflicts and new_keys is not None:
+                try:
+                    rv = await api.apply(new_keys, create_only=live_secret is None)
+                except Exists:  # made meanwhile: by an earlier pass of this operator, or by someone else
+                    conflicts, ours = await _taken(api, [new_keys], uid)
+                    keys_hash = next((render.secret_data_hash(o["data"]) for o in ours if usable_keys(o)), None)
+                    wanted = render.desired(doc, owner_uid=uid, keys_hash=keys_hash)
+                else:
+                    writes.record(new_keys, rv, cache, created=live_secret is None)
         except Exception as err:  # reported in status; the next pass retries
             apply_error, wanted = _api_error_text(err), []
             log.warning("%s/%s: reading children failed: %s", namespace, name, apply_error)
         if conflicts:
-            log.warning("%s/%s: name conflict, touching nothing: %s", namespace, name, ", ".join(conflicts))
             wanted = []
         elif (held := master_keys_hold(wanted, children)) is not None:
             master = render.build_master_deployment(doc, uid, held)
@@ -491,23 +591,24 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
                      ", ".join(without_room))
         todo = plan(wanted, children, uid, cache) if wanted else Plan([], [])
         # Status must not call pending objects observed: what `children` shows of them is older.
-        applied += [f"{o['kind']}/{o['metadata']['name']}" for o in todo.pending]
-        # All of a pipeline's applies at once (Api bounds how many are in flight): one after the other,
-        # a few pipelines would leave the apiserver idle between round trips.
-        write_error = None
-        results = await asyncio.gather(*(api.apply(obj) for obj in todo.apply), return_exceptions=True)
-        for obj, rv in zip(todo.apply, results):
-            if isinstance(rv, asyncio.CancelledError):
-                raise rv
-            if isinstance(rv, BaseException):  # reported in status; the next pass retries
-                write_error = write_error or _api_error_text(rv)
-                continue
-            if cache is not None:
-                cache.record(obj, rv)
-            applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
-            outcome.applied += 1
+        applied += [ref(o) for o in todo.pending]
+        # All of a wave's writes at once (Api bounds how many are in flight): one after the other, a few
+        # pipelines would leave the apiserver idle between round trips.
+        await writes.apply(api, [o for o in todo.create if o["kind"] not in WORKLOAD_KINDS], cache, create_only=True)
+        conflicts += await writes.resolve(api, uid)
+        if not conflicts and writes.error is None:
+            await asyncio.gather(
+                writes.apply(api, [o for o in todo.create if o["kind"] in WORKLOAD_KINDS], cache, create_only=True),
+                writes.apply(api, todo.apply, cache))
+            conflicts += await writes.resolve(api, uid)
+        if conflicts:
+            await writes.undo(api, cache)  # touch nothing: what this pass made goes again
+            log.warning("%s/%s: name conflict, touching nothing: %s", namespace, name, ", ".join(conflicts))
+        applied += [ref(o) for o in writes.done + writes.ours]
+        outcome.applied += len(writes.done)
+        write_error = writes.error
         try:
-            for obj in todo.delete if write_error is None else ():
+            for obj in todo.delete if write_error is None and not conflicts else ():
                 await api.delete(obj)
                 outcome.deleted += 1
         except Exception as err:

@@ -1,4 +1,4 @@
-"""plan(): what a pass applies, leaves pending, and deletes."""
+"""plan(): what a pass creates, applies, leaves pending, and deletes."""
 
 from omnifleet_operator.reconcile import AppliedCache, Children, plan
 
@@ -10,11 +10,12 @@ def cm(name, data, rv=None, owner="u1"):
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
-def test_missing_and_drifted_are_applied_and_removed_are_deleted():
+def test_missing_are_created_drifted_applied_and_removed_deleted():
     desired = [cm("a", {"k": "1"}), cm("b", {"k": "2"})]
     live = Children(objects=[cm("b", {"k": "changed"}, rv=5), cm("old", {}, rv=3), cm("foreign", {}, rv=4, owner="u2")])
     p = plan(desired, live, "u1")
-    assert [o["metadata"]["name"] for o in p.apply] == ["a", "b"]
+    assert [o["metadata"]["name"] for o in p.create] == ["a"]
+    assert [o["metadata"]["name"] for o in p.apply] == ["b"]
     assert [o["metadata"]["name"] for o in p.delete] == ["old"]
 
 
@@ -30,10 +31,10 @@ def test_own_write_not_yet_seen_is_pending_not_applied_again():
     assert p.apply == [] and p.pending == []
     p = plan([want], Children(objects=[cm("a", {"k": "hand-edited"}, rv=12)]), "u1", cache)
     assert p.apply == [want]
-    # A different desired object is never pending; a deleted one is applied again.
-    assert plan([cm("a", {"k": "3"})], Children(objects=[]), "u1", cache).apply
+    # A different desired object is never pending; a deleted one is made again.
+    assert plan([cm("a", {"k": "3"})], Children(objects=[]), "u1", cache).create
     cache.forget(("v1", "ConfigMap", "ns", "a"))
-    assert plan([want], Children(objects=[]), "u1", cache).apply == [want]
+    assert plan([want], Children(objects=[]), "u1", cache).create == [want]
 
 
 # -- a rollout with no room for its surge pod goes on one replica at a time --
