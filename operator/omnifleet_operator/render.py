@@ -59,7 +59,7 @@ def prune(value: Any) -> Any:
     return value
 
 
-_CONFIG_TEXTS: dict[str, str] = {}  # repr of the pruned resolved pipeline -> its YAML
+_CONFIG_TEXTS: dict[bytes, str] = {}  # digest of the pruned resolved pipeline's repr -> its YAML
 _CONFIG_TEXTS_MAX = 4096
 
 
@@ -71,7 +71,7 @@ def config_text(doc: OmniPipeline) -> str:
     1, 1.0, True and "1" apart), so an unchanged pipeline is dumped once.
     """
     data = prune(dump(resolve(doc)))
-    key = repr(data)
+    key = hashlib.sha256(repr(data).encode()).digest()
     text = _CONFIG_TEXTS.get(key)
     if text is None:
         if len(_CONFIG_TEXTS) >= _CONFIG_TEXTS_MAX:
