@@ -37,6 +37,16 @@ def time_limit(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
+# Every suite's hang guard; suites with tighter limits (runtime, realnode) set their own inside it.
+TEST_TIMEOUT_S = 1200
+
+
+@pytest.fixture(autouse=True)
+def per_test_timeout():
+    with time_limit(TEST_TIMEOUT_S):
+        yield
+
+
 def mp4(frames: int, width: int = 16, height: int = 8, fps: float = 4.0) -> bytes:
     """An MP4 (MPEG-4 part 2, OpenCV's own encoder) of frames whose pixels change from frame to frame."""
     import tempfile
