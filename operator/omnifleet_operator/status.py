@@ -441,6 +441,8 @@ def transition_events(old: Obj | None, new: Obj) -> list[Event]:
         return [Event("Normal", "Ready", after.get("message", ""))]
     if reason in QUIET_REASONS and before.get("status") != "True":
         return []
+    if reason == ROLLING_OUT and before.get("reason") == CREATING:
+        return []  # a new pipeline's Deployments coming up: a step of coming up, not a rollout
     kind = "Warning" if reason in WARNING_REASONS else "Normal"
     return [Event(kind, reason, after.get("message", ""))]
 

@@ -200,6 +200,13 @@ def test_coming_up_posts_no_event_per_step_falling_back_does():
     assert [e.reason for e in transition_events(waiting, ready)] == ["Ready"]
     fallen = status(Observed(all_ready(**dict([dep("speech-talker", 2, ready=1)]))), prior=ready, now=T1)
     assert [(e.type, e.reason) for e in transition_events(ready, fallen)] == [("Normal", "WaitingForReady")]
+    # New Deployments not observed by their controller yet: RollingOut, yet no rollout of a running pipeline.
+    first = status(Observed(all_ready(**{"speech-talker": dep("speech-talker", 2, generation=1, observed=0)[1]})),
+                   prior=creating, now=T1)
+    assert cond(first, "Ready")["reason"] == "RollingOut" and transition_events(creating, first) == []
+    rolling = status(Observed(all_ready(**{"speech-thinker": dep("speech-thinker", 2, updated=1, replicas=3)[1]})),
+                     prior=ready, now=T1)
+    assert [(e.type, e.reason) for e in transition_events(ready, rolling)] == [("Normal", "RollingOut")]
 
 
 def test_progress_alone_is_not_decisive():
