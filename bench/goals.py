@@ -148,15 +148,18 @@ GOALS: tuple[Goal, ...] = (
          "an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
-           why_missed=f"the operator's per-event work (kopf's handler machinery, JSON decoding: {_CP_PROFILES}) "
-           "takes CPU from the apiserver on the same 2 cores: 183-263 ms of operator CPU per pipeline in the "
-           "2026-12-03 run (a quiet machine), where the direct client renders nothing; the report's outside-load "
-           "column says which rounds other work on the machine disturbed")
+           why_missed=f"the operator's own CPU on the same 2 cores as the apiserver, 139-196 ms per pipeline in "
+           "the 2026-12-03 run at 201a0ae (183-263 ms at dc6ae37, the same report as committed in cb6d3f4: before a "
+           "child's name was claimed by the apply that makes it instead of a GET, and coroutine handlers), where "
+           "the direct client renders nothing; a sampling profile of this code (py-spy, not a benchmark) put it in kopf's per-event "
+           "processing, the HTTP client and each pass's render and compare (older cProfile runs: "
+           f"{_CP_PROFILES}); rounds vary with the direct client's own time (N=100: 14.8-20.4 s)")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
          why_missed="the watch caches' copies of every child, kopf's memory of each watched object, and the "
-         "process's own base (the report's RSS before the apply: 75 MiB, then 224 KiB per pipeline at N=1000 "
-         "in the 2026-12-03 run)"),
+         "process's own base (the report's RSS before the apply: 74 MiB, then 189 KiB per pipeline at N=1000 "
+         "in the 2026-12-03 run at 201a0ae; 224 KiB at dc6ae37, that report as committed in cb6d3f4, before "
+         "kopf's per-object workers ended after 0.5 s idle instead of 5 s)"),
     Goal("operator writes on an idle resync", "control_plane",
          tuple(f"idle_writes_N{n}" for n in (10, 100, 1000)), "<=", 0, unit="writes",
          label={f"idle_writes_N{n}": f"N={n}" for n in (10, 100, 1000)}),
