@@ -1,7 +1,9 @@
 """A pipeline's keys, made where ZMQ is not installed (the operator's image).
 
-CurveZMQ keys are Curve25519 (X25519) keypairs in Z85 text; `cryptography`
-(OpenSSL) makes them, and tests check them against libzmq's `zmq.curve_public`.
+CurveZMQ keys are Curve25519 (X25519) keypairs in Z85 text; libsodium (PyNaCl:
+NaCl's Curve25519, on which CurveZMQ is defined) makes them, and tests check them
+against libzmq's `zmq.curve_public`. Not `cryptography`: its OpenSSL is about
+9 MiB of the operator's memory, libsodium about 1 MiB.
 
 `pipeline_keys()` gives the files the runtime reads (see
 `omnifleet_runtime.security`): server and client keypairs and a token.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from nacl.public import PrivateKey
 
 from omnifleet_runtime.constants import KEY_FILES
 
@@ -31,8 +33,8 @@ def z85_encode(data: bytes) -> str:
 
 def curve_keypair() -> tuple[str, str]:
     """(public, secret), Z85 text, as zmq.curve_keypair gives them."""
-    key = X25519PrivateKey.generate()
-    return z85_encode(key.public_key().public_bytes_raw()), z85_encode(key.private_bytes_raw())
+    key = PrivateKey.generate()
+    return z85_encode(bytes(key.public_key)), z85_encode(bytes(key))
 
 
 def pipeline_keys() -> dict[str, str]:

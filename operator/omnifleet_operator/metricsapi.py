@@ -29,10 +29,6 @@ from typing import Any, Iterable
 
 import aiohttp
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from lightkube import ApiError, AsyncClient
 from lightkube import operators as lk
 from lightkube.resources.apiregistration_v1 import APIService
@@ -172,6 +168,13 @@ def _constant(body: dict):
 def self_signed(namespace: str, now: datetime.datetime) -> tuple[bytes, bytes]:
     """A serving certificate for the Service's DNS names (the aggregation layer checks them against
     the APIService's caBundle, which is this certificate)."""
+    # Imported here: only an operator that serves the API makes a certificate, and the library's
+    # OpenSSL is about 9 MiB of every operator's memory.
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     key = ec.generate_private_key(ec.SECP256R1())
     host = f"{SERVICE}.{namespace}.svc"
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])

@@ -76,3 +76,34 @@ def test_the_pod_index_keeps_what_status_and_rollouts_read_a_revision_and_a_dele
                                 "annotations": {C.ANNOTATION_TEMPLATE_HASH: "abc"}}
     going = {**body, "metadata": {**body["metadata"], "deletionTimestamp": None}}
     assert handlers._scheduling(going) != handlers._scheduling(body)  # a pod starting to go queues a pass
+
+
+def test_a_kept_deployment_holds_what_status_and_rollouts_read_and_no_unique_noise():
+    from omnifleet_operator import status as st
+
+    body = {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "p-thinker", "uid": "u", "resourceVersion": "9", "generation": 2,
+                         "creationTimestamp": "2026-12-03T00:00:00Z", "managedFields": [{"manager": "x"}],
+                         "labels": {C.LABEL_PIPELINE: "p"}},
+            "spec": {"replicas": 2},
+            "status": {"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1,
+                       "availableReplicas": 1, "collisionCount": 0,
+                       "conditions": [
+                           {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable",
+                            "message": 'ReplicaSet "p-thinker-5d8f" has successfully progressed.',
+                            "lastUpdateTime": "2026-12-03T00:00:01Z", "lastTransitionTime": "2026-12-03T00:00:00Z"},
+                           {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                            "message": "pods is forbidden: exceeded quota",
+                            "lastUpdateTime": "2026-12-03T00:00:02Z", "lastTransitionTime": "2026-12-03T00:00:02Z"}]}}
+    kept = handlers._keep(copy.deepcopy(body), deployment=True)
+    assert "creationTimestamp" not in kept["metadata"] and "managedFields" not in kept["metadata"]
+    assert kept["metadata"]["generation"] == 2 and kept["spec"] == {"replicas": 2}
+    assert kept["status"] == {
+        "observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1,
+        "conditions": [{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"},
+                       {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                        "message": "pods is forbidden: exceeded quota"}]}
+    view = st.StageView("thinker", "p-thinker", 2, kept)
+    verdict = st.check_failures([view], st.Observed())
+    assert verdict is not None and "exceeded quota" in verdict.message  # the message status quotes is kept
+    assert "status" not in handlers._keep(copy.deepcopy(body), deployment=False)
