@@ -527,6 +527,9 @@ class Outcome:
     status_held: bool = False  # a progress-only change not written yet (hold_progress)
     status: Obj = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
+    # Wrote nothing, and nothing but its inputs (the pipeline and its children as watched) can change that:
+    # no error or name conflict to retry, no write waiting for the watch, no master to ask again.
+    steady: bool = False
 
 
 async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | None = None,
@@ -550,6 +553,7 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
     apply_error = None
     applied: list[str] = []
     conflicts: list[str] = []
+    waiting = False  # objects applied that the watch has not shown yet
     if doc is not None:
         writes = Writes()
         try:
@@ -590,6 +594,7 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
             log.warning("%s/%s: no room for a surge pod; rolling one replica at a time: %s", namespace, name,
                      ", ".join(without_room))
         todo = plan(wanted, children, uid, cache) if wanted else Plan([], [])
+        waiting = bool(todo.pending)
         # Status must not call pending objects observed: what `children` shows of them is older.
         applied += [ref(o) for o in todo.pending]
         # All of a wave's writes at once (Api bounds how many are in flight): one after the other, a few
@@ -620,11 +625,11 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
     deployments = {o["metadata"]["name"]: o for o in children.objects if o.get("kind") == "Deployment"}
     prior = last_status if last_status is not None else (body.get("status") or {})
     observed = Observed(deployments=deployments, pods=children.pods)
-    if master_reads is not None:
-        if doc is not None and wants_master_report(doc, observed):
-            observed = replace(observed, master=await master_reads.report(api, uid, namespace, name))
-        else:
-            master_reads.forget(uid)
+    asks_master = master_reads is not None and doc is not None and wants_master_report(doc, observed)
+    if asks_master:
+        observed = replace(observed, master=await master_reads.report(api, uid, namespace, name))
+    elif master_reads is not None:
+        master_reads.forget(uid)
     status = compute_status(
         name=name, namespace=namespace, generation=generation, doc=doc, problems=problems,
         observed=observed,
@@ -638,4 +643,6 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
         outcome.status_written = True
         # Events only after the status they describe is stored.
         outcome.events = transition_events(prior, status)
+    outcome.steady = not (outcome.applied or outcome.deleted or outcome.status_written or outcome.status_held
+                          or apply_error or conflicts or waiting or asks_master)
     return outcome

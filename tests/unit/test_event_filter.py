@@ -73,6 +73,7 @@ def test_the_pod_index_keeps_what_status_and_rollouts_read_a_revision_and_a_dele
             "spec": {"containers": [{"name": "stage"}]}, "status": {"phase": "Running"}}
     (kept,) = asyncio.run(handlers.pods_idx(namespace="ns", labels=labels, body=body)).values()
     assert kept["metadata"] == {"name": "p-thinker-x", "labels": labels, "deletionTimestamp": "2026-12-02T00:00:00Z",
+                                "resourceVersion": "9",
                                 "annotations": {C.ANNOTATION_TEMPLATE_HASH: "abc"}}
     going = {**body, "metadata": {**body["metadata"], "deletionTimestamp": None}}
     assert handlers._scheduling(going) != handlers._scheduling(body)  # a pod starting to go queues a pass

@@ -1,0 +1,124 @@
+"""A resync of a settled pipeline runs no pass; any change of what a pass reads runs one.
+
+The operator's work loop (`handlers._work`) runs against an in-memory object store (a stand-in
+for the API server: these tests check which passes run and what they write, which needs no
+server); the watch caches are plain dicts of the kept objects, as kopf's indices hand them over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+
+from omnifleet_operator import handlers
+from omnifleet_operator.reconcile import Children, reconcile
+
+from .test_keys_and_conflicts import BODY, FakeApi
+
+KEY = ("ns", "p")
+
+
+class CountingApi(FakeApi):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.events = []
+
+    async def get(self, obj):
+        self.calls += 1
+        return await super().get(obj)
+
+    async def apply(self, obj, create_only=False):
+        self.calls += 1
+        return await super().apply(obj, create_only)
+
+    async def write_status(self, namespace, name, status):
+        self.calls += 1
+        await super().write_status(namespace, name, status)
+
+    async def post_event(self, event):
+        self.events.append(event)
+
+
+def watched(api: CountingApi) -> Children:
+    """The store as the watch would show it: every object with a resourceVersion."""
+    out = Children()
+    for i, obj in enumerate(api.store.values()):
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["resourceVersion"] = str(100 + i)
+        out.objects.append(obj)
+    return out
+
+
+@pytest.fixture
+def state(monkeypatch):
+    st = handlers.State()
+    monkeypatch.setattr(handlers, "STATE", st)
+    monkeypatch.setattr(handlers, "PROGRESS_WRITE_SECONDS", 0.0)
+    return st
+
+
+def drain(st: handlers.State, children: Children) -> None:
+    """Queue the pipeline (as a resync does) and let one worker run until the queue is empty."""
+    st.indices = {"objects_idx": {KEY: children.objects}}
+
+    async def go():
+        worker = asyncio.create_task(handlers._work())
+        st.queue.add(KEY)
+        while len(st.queue) or st.queue._active:
+            await asyncio.sleep(0.01)
+        worker.cancel()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_a_settled_pipeline_is_resynced_without_a_pass_and_a_changed_child_gets_one(state):
+    api = CountingApi()
+    state.api = api
+    state.pipelines[KEY] = copy.deepcopy(BODY)
+    drain(state, Children())  # the first pass makes every child
+    assert api.applied and KEY not in state.steady
+    children = watched(api)
+    for _ in range(3):  # the watch shows them: passes until one writes nothing
+        drain(state, children)
+        if KEY in state.steady:
+            break
+    assert KEY in state.steady, "a pass with nothing to do is steady"
+
+    passes, calls = state.passes, api.calls
+    for _ in range(3):  # resyncs: nothing changed
+        drain(state, children)
+    assert state.passes == passes and api.calls == calls and state.unchanged == 3
+
+    changed = copy.deepcopy(children)
+    changed.objects[0]["metadata"]["resourceVersion"] = "999"  # a child changed (an edit, a status)
+    drain(state, changed)
+    assert state.passes == passes + 1
+
+    edited = copy.deepcopy(BODY)
+    edited["metadata"]["generation"] = 2
+    state.pipelines[KEY] = edited  # the spec changed
+    drain(state, changed)
+    assert state.passes == passes + 2
+
+
+def test_a_pass_that_wrote_failed_or_waits_is_not_steady():
+    api = CountingApi()
+    first = asyncio.run(reconcile(api, copy.deepcopy(BODY), Children()))
+    assert first.applied and not first.steady  # it made children
+    pending = asyncio.run(reconcile(api, copy.deepcopy(BODY), watched(api), last_status=first.status))
+    settled = asyncio.run(reconcile(api, copy.deepcopy(BODY), watched(api), last_status=pending.status))
+    assert settled.steady and not settled.applied and not settled.status_written
+
+    class Failing(CountingApi):
+        async def apply(self, obj, create_only=False):
+            raise RuntimeError("apiserver unavailable")
+
+    failing = Failing()
+    failing.store = copy.deepcopy(api.store)
+    lost = watched(api)
+    lost.objects = [o for o in lost.objects if o["kind"] != "Service"]  # one child deleted: to be made again
+    out = asyncio.run(reconcile(failing, copy.deepcopy(BODY), lost, last_status=settled.status))
+    assert not out.steady  # an error is retried by the next resync
