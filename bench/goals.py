@@ -148,18 +148,20 @@ GOALS: tuple[Goal, ...] = (
          "an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
-           why_missed=f"the operator's own CPU on the same 2 cores as the apiserver, 139-196 ms per pipeline in "
-           "the 2026-12-03 run at 201a0ae (183-263 ms at dc6ae37, the same report as committed in cb6d3f4: before a "
-           "child's name was claimed by the apply that makes it instead of a GET, and coroutine handlers), where "
-           "the direct client renders nothing; a sampling profile of this code (py-spy, not a benchmark) put it in kopf's per-event "
-           "processing, the HTTP client and each pass's render and compare (older cProfile runs: "
-           f"{_CP_PROFILES}); rounds vary with the direct client's own time (N=100: 14.8-20.4 s)")
+           why_missed=f"the operator's own CPU on the same 2 cores as the apiserver, 130-211 ms per pipeline in "
+           "the 2026-12-03 run at f87bb68 (139-196 ms at 201a0ae, the same report as committed in 927fa36, where "
+           "N=100 read 1.21x and N=1000 1.32x; f87bb68 changed the keys' library, what is kept and the resync, "
+           "not the path that makes children, and an interleaved operator-only A/B of the two at N=100, not "
+           "kept, ranged as widely for either), where the direct client renders nothing; a sampling profile of "
+           "this code (py-spy, not a benchmark) put it in kopf's per-event processing, the HTTP client and "
+           "each pass's render and compare "
+           f"(older cProfile runs: {_CP_PROFILES}); rounds vary with the machine (N=100: 1.41-1.62x in one run)")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
          why_missed="the watch caches' copies of every child, kopf's memory of each watched object, and the "
-         "process's own base (the report's RSS before the apply: 74 MiB, then 189 KiB per pipeline at N=1000 "
-         "in the 2026-12-03 run at 201a0ae; 224 KiB at dc6ae37, that report as committed in cb6d3f4, before "
-         "kopf's per-object workers ended after 0.5 s idle instead of 5 s)"),
+         "process's own base (the report's RSS before the apply: 67 MiB, then 177 KiB per pipeline at N=1000 "
+         "in the 2026-12-03 run at f87bb68; 74 MiB and 189 KiB at 201a0ae, that report as committed in 927fa36, "
+         "before the keys were made by libsodium instead of cryptography's OpenSSL)"),
     Goal("operator writes on an idle resync", "control_plane",
          tuple(f"idle_writes_N{n}" for n in (10, 100, 1000)), "<=", 0, unit="writes",
          label={f"idle_writes_N{n}": f"N={n}" for n in (10, 100, 1000)}),
