@@ -325,6 +325,7 @@ async def pipeline_event(event: dict[str, Any], namespace: str, name: str, body:
         STATE.written.pop(body["metadata"].get("uid"), None)
         STATE.written_at.pop(body["metadata"].get("uid"), None)
         STATE.master_reads.forget(body["metadata"].get("uid"))
+        STATE.applied.conflicts.pop(body["metadata"].get("uid"), None)
         return  # children go by garbage collection (owner references)
     known = STATE.pipelines.get(key)
     STATE.pipelines[key] = _plain(body)

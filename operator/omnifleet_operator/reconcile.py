@@ -192,6 +192,10 @@ class AppliedCache:
     """
 
     entries: dict[tuple[str, str, str, str], tuple[str, int]] = field(default_factory=dict)
+    # By pipeline uid: the children whose names others held at its last pass. The next pass reads those
+    # names first and makes nothing (not even keys) while any is still held: making and undoing a pass's
+    # objects each time would be writes, and watch events that queue the pipeline again.
+    conflicts: dict[str, list[Obj]] = field(default_factory=dict)
 
     def record(self, obj: Obj, resource_version: int | None) -> None:
         if resource_version is not None:
@@ -554,6 +558,7 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
     applied: list[str] = []
     conflicts: list[str] = []
     waiting = False  # objects applied that the watch has not shown yet
+    considered: list[Obj] = []  # every child this pass wanted, the keys Secret included
     if doc is not None:
         writes = Writes()
         try:
@@ -572,6 +577,10 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
             conflicts = watched_conflicts(wanted, children, uid)
             if live_secret is not None and not controlled_by(live_secret, uid):
                 conflicts.append(ref(secret))
+            held_before = cache.conflicts.get(uid) if cache is not None else None
+            if not conflicts and held_before:
+                conflicts, _ = await _taken(api, held_before, uid)
+            considered = [*wanted, secret]
             if not conflicts and new_keys is not None:
                 try:
                     rv = await api.apply(new_keys, create_only=live_secret is None)
@@ -609,6 +618,10 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
         if conflicts:
             await writes.undo(api, cache)  # touch nothing: what this pass made goes again
             log.warning("%s/%s: name conflict, touching nothing: %s", namespace, name, ", ".join(conflicts))
+        if cache is not None and conflicts:
+            cache.conflicts[uid] = [o for o in considered if ref(o) in conflicts]
+        elif cache is not None and apply_error is None:
+            cache.conflicts.pop(uid, None)
         applied += [ref(o) for o in writes.done + writes.ours]
         outcome.applied += len(writes.done)
         write_error = writes.error

@@ -14,7 +14,7 @@ import copy
 import zmq
 
 from omnifleet_operator import curvekeys, render
-from omnifleet_operator.reconcile import Children, Exists, reconcile
+from omnifleet_operator.reconcile import AppliedCache, Children, Exists, reconcile
 from omnifleet_runtime import constants as C
 from omnifleet_runtime.schema import OmniPipeline
 
@@ -179,6 +179,26 @@ def test_a_foreign_object_with_a_childs_name_is_left_untouched_and_named():
     assert (ready["status"], ready["reason"]) == ("False", "NameConflict")
     assert "ConfigMap/p-config" in ready["message"]
     assert out.events and out.events[0].reason == "NameConflict" and out.events[0].type == "Warning"
+
+
+def test_a_pipeline_in_conflict_reads_the_taken_names_and_makes_nothing_until_they_are_free():
+    """Making the keys and undoing them on every pass would be writes, and watch events queuing the
+    pipeline again: once a name was found taken, the next pass reads it first."""
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "p-config", "namespace": "ns"},
+               "data": {"mine": "yes"}}
+    api, cache = FakeApi([foreign]), AppliedCache()
+    asyncio.run(reconcile(api, BODY, Children(), cache=cache))
+    assert api.refused == [("ConfigMap", "p-config")] and ("Secret", "p-keys") in api.applied
+    made = len(api.applied)
+    for _ in range(3):
+        out = asyncio.run(reconcile(api, BODY, Children(), last_status=api.status, cache=cache))
+        assert len(api.applied) == made and api.refused == [("ConfigMap", "p-config")]  # no write at all
+        assert api.store == {("ConfigMap", "p-config"): foreign} and not out.steady
+        assert "ConfigMap/p-config" in ready_condition(api.status)["message"]
+    del api.store[("ConfigMap", "p-config")]  # its owner removes it
+    out = asyncio.run(reconcile(api, BODY, Children(), last_status=api.status, cache=cache))
+    assert ("ConfigMap", "p-config") in api.applied and ("Deployment", "p-master") in api.applied
+    assert UID not in cache.conflicts
 
 
 def test_an_object_owned_but_not_controlled_by_the_pipeline_is_a_conflict():
