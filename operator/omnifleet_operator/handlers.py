@@ -364,12 +364,13 @@ async def _work() -> None:
         metrics.ACTIVE_WORKERS.labels(controller).inc()
         try:
             body = STATE.pipelines.get(key)
-            children = children_of(key)
-            inputs = _inputs(body, children) if body is not None else None
-            skipped = inputs is not None and STATE.steady.get(key) == inputs
+            live = body is not None and not body["metadata"].get("deletionTimestamp")
+            children = children_of(key) if live else Children()
+            inputs = _inputs(body, children) if live else None
+            skipped = live and STATE.steady.get(key) == inputs
             if skipped:
                 STATE.unchanged += 1
-            elif body is not None and not body["metadata"].get("deletionTimestamp"):
+            elif live:
                 STATE.steady.pop(key, None)
                 uid = body["metadata"]["uid"]
                 loop = asyncio.get_running_loop()
@@ -413,8 +414,7 @@ def _inputs(body: dict[str, Any], children: Children) -> int:
     pipeline costs this, not a parse, render and compare; a child changed behind a missed watch event is no
     different to a pass, which reads the same watch caches."""
     meta = body["metadata"]
-    return hash((meta.get("uid"), meta.get("generation"), meta.get("deletionTimestamp"), repr(meta.get("labels")),
-                 repr(meta.get("annotations")),
+    return hash((_pipeline_fingerprint(body), repr(meta.get("labels")), repr(meta.get("annotations")),
                  tuple((o.get("kind"), o["metadata"].get("name"), o["metadata"].get("resourceVersion"))
                        for o in children.objects),
                  tuple((p["metadata"].get("name"), p["metadata"].get("resourceVersion")) for p in children.pods)))
