@@ -2,8 +2,8 @@
 
 CurveZMQ keys are Curve25519 (X25519) keypairs in Z85 text; libsodium (PyNaCl:
 NaCl's Curve25519, on which CurveZMQ is defined) makes them, and tests check them
-against libzmq's `zmq.curve_public`. Not `cryptography`: its OpenSSL is about
-9 MiB of the operator's memory, libsodium about 1 MiB.
+against libzmq's `zmq.curve_public`. Not `cryptography`: its OpenSSL is many
+times libsodium's size in the operator's memory.
 
 `pipeline_keys()` gives the files the runtime reads (see
 `omnifleet_runtime.security`): server and client keypairs and a token.

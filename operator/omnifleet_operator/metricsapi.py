@@ -169,7 +169,7 @@ def self_signed(namespace: str, now: datetime.datetime) -> tuple[bytes, bytes]:
     """A serving certificate for the Service's DNS names (the aggregation layer checks them against
     the APIService's caBundle, which is this certificate)."""
     # Imported here: only an operator that serves the API makes a certificate, and the library's
-    # OpenSSL is about 9 MiB of every operator's memory.
+    # OpenSSL would be in every operator's memory.
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
