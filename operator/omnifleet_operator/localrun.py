@@ -20,7 +20,6 @@ import argparse
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,11 +35,11 @@ import yaml
 from omnifleet_runtime import constants as C
 from omnifleet_runtime.lifetime import parent_death_preexec
 
-from .checks import check_document
 from .overrides import OverrideError, apply_overrides
 from .checks import PERMISSIVE, check_document
 from .curvekeys import pipeline_keys, write_key_files
 from .render import desired
+from .ports import spare_port
 
 # `omnifleet ARGS` with the interpreter running this runner (the console script may not be installed).
 # Where omnifleet_runtime lives, for a stage run with another environment's python.
@@ -56,12 +55,6 @@ class LocalProcess:
     env: dict[str, str]
     popen: subprocess.Popen | None = None
     metrics_url: str = ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _set_arg(args: list[str], flag: str, value: str) -> list[str]:
@@ -112,10 +105,10 @@ def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], P
     configmap = next(o for o in objs if o["kind"] == "ConfigMap")["data"]
     config = workdir / C.CONFIG_FILE
     config.write_text(configmap[C.CONFIG_FILE])
-    api_port, control_port = free_port(), free_port()
+    api_port, control_port = spare_port(), spare_port()
     # Ephemeral keys for this run: the local processes use CurveZMQ as pods do.
     keys = write_key_files(workdir / "keys", pipeline_keys())
-    ports = Ports(api_port, free_port(), os.environ.get(C.ENV_ADMIN_TOKEN) or secrets.token_urlsafe(24))
+    ports = Ports(api_port, spare_port(), os.environ.get(C.ENV_ADMIN_TOKEN) or secrets.token_urlsafe(24))
     procs: list[LocalProcess] = []
     for dep in (o for o in objs if o["kind"] == "Deployment"):
         container = dep["spec"]["template"]["spec"]["containers"][0]
@@ -135,9 +128,9 @@ def plan(doc_dict: dict[str, Any], workdir: Path) -> tuple[list[LocalProcess], P
             replicas = max(dep["spec"].get("replicas", 1), 1)
         for i in range(replicas):
             pod = f"{dep['metadata']['name']}-{i}"
-            metrics = ports.api if component == C.COMPONENT_MASTER else free_port()
+            metrics = ports.api if component == C.COMPONENT_MASTER else spare_port()
             pod_args = args if component == C.COMPONENT_MASTER else _set_arg(
-                _set_arg(args, "--health-port", str(free_port())), "--metrics-port", str(metrics))
+                _set_arg(args, "--health-port", str(spare_port())), "--metrics-port", str(metrics))
             env = _env(container, pod, namespace, configmap)
             if component == C.COMPONENT_MASTER:
                 env[C.ENV_ADMIN_TOKEN] = ports.admin_token

@@ -13,8 +13,6 @@ import re
 import os
 import secrets
 import signal
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnifleet_operator.curvekeys import pipeline_keys, write_key_files
+from omnifleet_operator.ports import spare_port
 from omnifleet_runtime.security import Keys, secure_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,27 +35,7 @@ PYTHONPATH = os.pathsep.join([str(ROOT / "runtime"), str(ROOT / "operator"), str
                               *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range: a port picked now and bound later (a master restarted
-    on its ports) cannot be taken meanwhile by another process's bind to port 0. Never the same port twice
-    in one test run: two picks before either is bound would otherwise collide (a stage pod's ports are all
-    picked before it starts)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(200):
-        port = random.randrange(10000, low)
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _GIVEN.add(port)
-        return port
-    raise RuntimeError(f"no free port in 10000-{low}")
+free_port = spare_port
 
 
 def stage(name: str, entrypoint: str, **fields: Any) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import urllib.request
 
 import pytest
@@ -19,14 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omnifleet_operator import handlers, metrics
 from omnifleet_operator.reconcile import Api
+from omnifleet_operator.ports import spare_port
 
 from ..conftest import REPO
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = spare_port
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from omnifleet_operator.ports import spare_port
 from omnifleet_runtime.lifetime import parent_death_preexec
 
 if __package__:
@@ -83,18 +83,6 @@ def kstatus(obj: dict) -> dict:
     exe = build.ensure_binaries(verbose=False)["kstatus"]
     out = subprocess.run([exe], input=json.dumps(obj), capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
-
-
-def _free_ports(n: int) -> list[int]:
-    # Hold all sockets until every port is picked so the n ports are distinct.
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _proc_start_time(pid: int) -> str | None:
@@ -343,7 +331,7 @@ class DevCluster:
     def _start_all(self, binaries: dict[str, Path]) -> None:
         s, pki = self.state_dir, self.state_dir / "pki"
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
-        ports = dict(zip(names, _free_ports(len(names)), strict=True))
+        ports = dict(zip(names, (spare_port() for _ in names), strict=True))
         real = bool(self._real_node)
         if real:
             net.up(s)  # the apiserver binds the bridge address

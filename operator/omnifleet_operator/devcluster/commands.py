@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from pathlib import Path
 from omnifleet_runtime.lifetime import parent_death_preexec
 
 from . import build, hostdeps, images, node
+from ..ports import spare_port
 from .cluster import DevCluster, DevClusterError, _proc_start_time, _tail, default_state_dir
 
 REPO = Path(__file__).resolve().parents[3]
@@ -177,9 +177,7 @@ class PortForward:
 # -- the operator as a local process -----------------------------------------------
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return spare_port()
 
 
 def operator_argv(liveness_url: str, extra: list[str] = ()) -> list[str]:
