@@ -1,16 +1,14 @@
 """The `omnifleet` command. Subcommands import their heavy parts lazily, so
-`omnifleet master` never loads kopf and `omnifleet render` never loads ZMQ."""
+`omnifleet master` never loads kopf and `omnifleet render` never loads ZMQ, and a
+pod's process takes SIGTERM before it imports anything heavy (see main)."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Any
-
-import yaml
-
-from .checks import Policy, add_policy_flags, check_callables, check_document
 
 USAGE = """omnifleet COMMAND [ARGS]
 
@@ -32,6 +30,8 @@ USAGE = """omnifleet COMMAND [ARGS]
 
 def load_documents(path: str) -> list[tuple[str, Any]]:
     """(label, document) for each YAML document in a file ('-' is stdin)."""
+    import yaml
+
     text = sys.stdin.read() if path == "-" else Path(path).read_text()
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
@@ -52,6 +52,8 @@ def with_overrides(doc: Any, overrides: list[str]) -> Any:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from .checks import Policy, check_callables, check_document
+
     failed = 0
     for path in args.file:
         for label, doc in load_documents(path):
@@ -74,6 +76,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from .checks import Policy, check_document
     from .render import desired
 
     out = []
@@ -105,6 +108,8 @@ def cmd_crd(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    import yaml
+
     from .vllm_omni.importer import import_deploy
 
     if not Path(args.file).is_file():
@@ -123,6 +128,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
+    from .checks import check_document
     from .dashboard import dashboard_json
 
     doc = None
@@ -143,12 +149,25 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that run as a pod's container process, which is PID 1 in the container: the kernel delivers
+# SIGTERM to PID 1 only through a handler, so a pod deleted while its process still starts would ignore the
+# kubelet's SIGTERM, go on to load and serve, and die by SIGKILL at the end of the grace period.
+POD_COMMANDS = ("master", "stage", "operator")
+
+
+def _exit(signum: int, frame: Any) -> None:
+    sys.exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd in POD_COMMANDS:
+        # Until the command installs its own handler (which drains), SIGTERM ends it: nothing is accepted yet.
+        signal.signal(signal.SIGTERM, _exit)
     # Commands that own their argument parsing.
     if cmd == "master":
         from omnifleet_runtime.commands import master
@@ -165,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "dev":
         from .devcluster.commands import main as dev_main
         return dev_main(rest)
+
+    from .checks import add_policy_flags
 
     parser = argparse.ArgumentParser(prog="omnifleet", usage=USAGE)
     sub = parser.add_subparsers(dest="cmd", required=True)
