@@ -16,7 +16,7 @@ USAGE = """omnifleet COMMAND [ARGS]
                        the entrypoints and input processors they name exist (where installed)
   render -f FILE [PATH=VALUE ...]     print the Kubernetes objects the operator would apply
   crd [-o FILE]        print (or write) the generated CustomResourceDefinition
-  import vllm-omni FILE [--pipeline NAME] [--name NAME] [--model M]
+  import vllm-omni FILE [--pipeline NAME] [--name NAME] [--model M] [--no-async-chunk]
                        a vLLM-Omni deploy file as an OmniPipeline (stdout), or why not
   dashboard [-f FILE] [-o OUT]  the Grafana dashboard (of one pipeline with -f)
   operator [ARGS]      run the operator (kopf) against the current kubeconfig
@@ -116,7 +116,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"omnifleet import: {args.file}: no such file", file=sys.stderr)
         return 2
     result = import_deploy(args.file, pipeline=args.pipeline, name=args.name, model=args.model,
-                           version=args.vllm_omni_version)
+                           version=args.vllm_omni_version, async_chunk=args.async_chunk)
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if result.document is None:
@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="metadata.name of the OmniPipeline (default: from the file name)")
     p.add_argument("--model", help="spec.model (a deploy file names none)")
     p.add_argument("--vllm-omni-version", default="0.30.0", help="vLLM-Omni version the file is for")
+    p.add_argument("--async-chunk", action=argparse.BooleanOptionalAction, default=None,
+                   help="override the file's async_chunk (as vLLM-Omni's flag of that name); --no-async-chunk: "
+                   "stages hand over whole outputs (default: the file's)")
     p.set_defaults(func=cmd_import)
     p = sub.add_parser("crd")
     p.add_argument("-o", "--output")

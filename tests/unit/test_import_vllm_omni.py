@@ -25,6 +25,8 @@ from ..conftest import REPO, time_limit
 TEST_TIMEOUT_S = 300  # the first run downloads the 8 MB wheel
 # The counts the README quotes, for vLLM-Omni 0.30.0's bundled deploy files.
 EXPECTED = {"files": 110, "converted": 93, "refused": 17}
+# Of the converted, those with async-chunk (streaming) stages; each converts with --no-async-chunk too.
+EXPECTED_ASYNC_CHUNK = 42
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +50,14 @@ def test_topology_data_is_generated_from_the_wheel():
     assert topology.data_path(DEFAULT_VERSION).read_text() == topology.render(data), (
         "pipelines-0.30.0.yaml is stale: run python -m omnifleet_operator.vllm_omni.topology WHEEL")
     assert "qwen2_5_omni" in data["pipelines"] and len(data["pipelines"]) >= 60
+    # The README says no pipeline of this registry has a stage with several upstream stages (fan-in).
+    assert max(len(s.get("input_sources") or ()) for p in data["pipelines"].values() for s in p["stages"]) == 1
 
 
 def test_every_bundled_deploy_file_converts_or_is_refused_with_a_reason(deploy_dir):
     files = sorted(deploy_dir.glob("*.yaml"))
     data = load_topologies()
-    converted, refused = [], []
+    converted, refused, streaming = [], [], []
     for f in files:
         r = import_deploy(f)
         if r.document is None:
@@ -70,10 +74,19 @@ def test_every_bundled_deploy_file_converts_or_is_refused_with_a_reason(deploy_d
         deployments = [o for o in objs if o["kind"] == "Deployment"]
         assert len(deployments) == 1 + len(parsed.spec.hosts()), f.name
         converted.append(f.name)
+        if any(s.vllm_omni.async_chunk for s in parsed.spec.stages):
+            streaming.append(f.name)
+            whole = import_deploy(f, async_chunk=False)
+            assert whole.document is not None, (f.name, whole.refusals)
+            parsed, problems = check_document(whole.document)
+            assert problems == [] and not any(s.vllm_omni.async_chunk for s in parsed.spec.stages), f.name
+            assert all(s.input_mode == "whole" for s in parsed.spec.stages if s.inputs), f.name
     print(f"vLLM-Omni {DEFAULT_VERSION}: {len(files)} deploy files, {len(converted)} converted, "
-          f"{len(refused)} refused: {', '.join(refused)}")
+          f"{len(refused)} refused: {', '.join(refused)}; {len(streaming)} stream in async-chunk mode")
     assert {"files": len(files), "converted": len(converted), "refused": len(refused)} == EXPECTED
-    readme = (REPO / "README.md").read_text()
+    assert len(streaming) == EXPECTED_ASYNC_CHUNK
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"{EXPECTED_ASYNC_CHUNK} of the {EXPECTED['converted']} stream in async-chunk mode" in readme
     assert (f"{EXPECTED['files']} deploy files of vLLM-Omni {DEFAULT_VERSION}, {EXPECTED['converted']} convert "
             f"and {EXPECTED['refused']} are refused") in readme
 
@@ -112,6 +125,24 @@ def test_qwen3_omni_streams_and_colocates_by_device(deploy_dir):
     assert s["talker"]["vllmOmni"]["stageConfig"]["connectors"]["connector_of_shared_memory"]["extra"][
         "codec_chunk_frames"] == 25
     assert any("resolve_qwen3_omni_pipeline" in w for w in r.warnings)
+    assert any("stages thinker, talker, code2wav run in vLLM-Omni's async-chunk mode" in w and "--no-async-chunk" in w
+               for w in r.warnings), r.warnings
+
+
+def test_no_async_chunk_imports_the_whole_output_mode(deploy_dir, tmp_path):
+    # vLLM-Omni's --no-async-chunk: the sync processors replace the async-chunk ones, edges hand over whole outputs.
+    r = import_deploy(deploy_dir / "qwen3_omni_moe.yaml", async_chunk=False)
+    s = stages_by_name(r.document)
+    assert s["talker"]["inputMode"] == "whole" and s["code2wav"]["inputMode"] == "whole"
+    assert not any("asyncChunk" in st["vllmOmni"] for st in s.values())
+    assert s["talker"]["vllmOmni"]["inputProcessor"] == \
+        "vllm_omni.model_executor.stage_input_processors.qwen3_omni.thinker2talker_token_only"
+    assert s["talker"]["engineArgs"]["async_chunk"] is False
+    assert not any("async-chunk mode" in w for w in r.warnings), r.warnings
+    # --async-chunk on a pipeline without async-chunk processors: refused by vLLM-Omni's own rule.
+    on = import_deploy(deploy_dir / "qwen2_5_omni.yaml", async_chunk=True)
+    assert on.document is None
+    assert any("no stage declares an async-chunk next-stage processor" in x for x in on.refusals), on.refusals
 
 
 def test_base_config_chain_is_merged_by_vllm_omnis_rules(deploy_dir, tmp_path):
@@ -187,6 +218,9 @@ def test_cli_prints_a_pipeline_that_validates(deploy_dir):
     assert "warning: connectors.rdma_connector: MooncakeTransferEngineConnector" in r.stderr
     v = omnifleet("validate", "-f", "-", stdin=r.stdout)
     assert v.returncode == 0 and "valid: pipeline 'bagel'" in v.stdout, v.stderr
+    r = omnifleet("import", "vllm-omni", str(deploy_dir / "qwen3_omni_moe.yaml"), "--no-async-chunk")
+    assert r.returncode == 0 and "async-chunk mode" not in r.stderr, r.stderr
+    assert all(s.get("inputMode", "whole") == "whole" for s in yaml.safe_load(r.stdout)["spec"]["stages"])
 
 
 def test_cli_refuses_with_one_line_per_reason(deploy_dir):
@@ -195,6 +229,8 @@ def test_cli_refuses_with_one_line_per_reason(deploy_dir):
     refusals = [line for line in r.stderr.splitlines() if line.startswith("refused: ")]
     assert refusals == ["refused: stage ar: engine_args.kv_transfer_config.kv_ip = '127.0.0.1' assumes its peer "
                         "stages on the same host, but the pipeline runs in 2 pod groups"]
+    r = omnifleet("import", "vllm-omni", str(deploy_dir / "qwen2_5_omni.yaml"), "--async-chunk")
+    assert r.returncode == 1 and "no stage declares an async-chunk next-stage processor" in r.stderr
     r = omnifleet("import", "vllm-omni", "/nonexistent/deploy.yaml")
     assert r.returncode == 2 and "no such file" in r.stderr
 

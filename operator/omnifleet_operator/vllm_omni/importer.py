@@ -165,7 +165,10 @@ def _json(value: Any) -> Any:
 
 
 def import_deploy(path: str | Path, pipeline: str | None = None, name: str | None = None,
-                  model: str | None = None, version: str = DEFAULT_VERSION) -> ImportResult:
+                  model: str | None = None, version: str = DEFAULT_VERSION,
+                  async_chunk: bool | None = None) -> ImportResult:
+    """`async_chunk` overrides the file's top-level `async_chunk:` as vLLM-Omni's `--[no-]async-chunk` does
+    (None: the file's value)."""
     path = Path(path)
     result = ImportResult()
     warn, refuse = result.warnings.append, result.refusals.append
@@ -191,6 +194,8 @@ def import_deploy(path: str | Path, pipeline: str | None = None, name: str | Non
                f"(available: {', '.join(sorted(data['pipelines']))})")
         return result
     result.pipeline = key
+    if async_chunk is not None:  # where vLLM-Omni applies its CLI override: before the platform overlay
+        deploy.async_chunk = async_chunk
     if topo.get("resolver"):
         r = topo["resolver"]
         warn(f"pipeline {key!r}: vLLM-Omni picks one of {', '.join(r['returns'])} from the model's config "
@@ -315,6 +320,11 @@ def import_deploy(path: str | Path, pipeline: str | None = None, name: str | Non
         omni_stages.append(_stage(s, key, names, final, reps, devs, groups, root, deploy, result.warnings))
     if result.refusals:
         return result
+    streaming = [s["name"] for s in omni_stages if (s.get("vllmOmni") or {}).get("asyncChunk")]
+    if streaming:
+        warn(f"async_chunk: stages {', '.join(streaming)} run in vLLM-Omni's async-chunk mode, which this "
+             f"version's vllm-omni stages refuse at start; --no-async-chunk imports the pipeline in its "
+             f"whole-output mode (vLLM-Omni's async_chunk: false), which they run")
 
     spec: dict[str, Any] = {"stages": omni_stages}
     if model:
