@@ -23,7 +23,10 @@ stages' `n`, `width`, `height`, `seed`; the answer is PNGs, `b64_json` or
 stages (the entry stage gets `input` as its prompt) and answers a WAV
 (`response_format` wav, the default here), FLAC or MP3, raw 16-bit PCM streamed
 as it comes (`pcm`), or SSE `speech.audio.delta` events (`stream_format:
-"sse"`). PNG and WAV are encoded here with the standard library, FLAC and MP3
+"sse"`). `/v1/audio/transcriptions` (OpenAI's multipart form) hands the entry
+stage a chat message of the audio file and an instruction ("Transcribe the
+audio.", with `language` and `prompt` added) and answers the text final
+outputs as `{text, usage}`, plain text, or SSE `transcript.text.delta` events. PNG and WAV are encoded here with the standard library, FLAC and MP3
 with libsndfile (media.py). Chat content parts with images and audio are
 decoded here once (content.py).
 
@@ -43,6 +46,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -102,6 +106,7 @@ class Api:
             web.post("/v1/completions", self.completions),
             web.post("/v1/images/generations", self.images),
             web.post("/v1/audio/speech", self.speech),
+            web.post("/v1/audio/transcriptions", self.transcriptions),
         ])
         return app
 
@@ -217,6 +222,10 @@ class Api:
         self.check.check(kind, body)
         return body
 
+    def _invalid(self, e: BadRequest) -> web.Response:
+        self.metrics.refused.inc(reason="invalid")
+        return error_response(400, str(e), "invalid_request_error")
+
     def _sampling(self, body: dict[str, Any], top_level: bool = True) -> dict[str, dict[str, Any]]:
         sampling = {s.name: dict(s.sampling_params) for s in self.spec.stages}
         if top_level:
@@ -258,7 +267,7 @@ class Api:
         info = wire.RequestInfo(
             request_id=f"{id_prefix}-{uuid.uuid4().hex}", kind=kind, model=model,
             lora=model if model in self.loras and model not in self.model_names else "",
-            prompt=None if kind == "chat" else prompt, messages=prompt if kind == "chat" else None,
+            prompt=None if prompt_key == "messages" else prompt, messages=prompt if prompt_key == "messages" else None,
             extra={k: v for k, v in body.items() if k != prompt_key},  # the known keys only (limits.py)
         )
         try:
@@ -282,14 +291,12 @@ class Api:
             final = self._finals(body)
             audio_format = _audio_format(body) if kind == "chat" else None
         except BadRequest as e:
-            self.metrics.refused.inc(reason="invalid")
-            return error_response(400, str(e), "invalid_request_error")
+            return self._invalid(e)
         if kind == "chat" and has_media(body["messages"]):
             try:
                 body["messages"] = await self._decode_media(body["messages"])
             except BadRequest as e:
-                self.metrics.refused.inc(reason="invalid")
-                return error_response(400, str(e), "invalid_request_error")
+                return self._invalid(e)
         runs: list[Run] = []
         n = body.get("n") or 1
         for i in range(n):  # n choices: n runs of the whole pipeline, one choice each
@@ -493,8 +500,7 @@ class Api:
             for stage in final:
                 sampling[stage].update(params)
         except BadRequest as e:
-            self.metrics.refused.inc(reason="invalid")
-            return error_response(400, str(e), "invalid_request_error")
+            return self._invalid(e)
         run = self._start(body, "image", "img", "prompt", sampling, final)
         if isinstance(run, web.Response):
             return run
@@ -533,8 +539,7 @@ class Api:
                 raise BadRequest("'stream_format' must be 'audio' or 'sse'")
             sampling = self._sampling(body, top_level=False)
         except BadRequest as e:
-            self.metrics.refused.inc(reason="invalid")
-            return error_response(400, str(e), "invalid_request_error")
+            return self._invalid(e)
         run = self._start(body, "speech", "tts", "input", sampling, final)
         if isinstance(run, web.Response):
             return run
@@ -554,6 +559,67 @@ class Api:
             return web.Response(body=data, content_type=media.AUDIO_TYPES[fmt])
         finally:
             self.orch.abort(run)
+
+    async def transcriptions(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's transcription form (multipart: `file`, `model`, `prompt`, `language`, `temperature`,
+        `response_format` json | text, `stream`): the entry stage hears the file as a chat message's audio
+        part with an instruction, and the pipeline's text outputs are the transcript."""
+        try:
+            final = self._stages_of("text")
+            if not final:
+                raise BadRequest("this pipeline has no text output (no stage with finalOutput: text)")
+            try:
+                async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                    form = await request.post()
+            except TimeoutError:
+                raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g}s")
+            except ValueError as e:  # a malformed multipart body
+                raise BadRequest(f"the body is not a multipart form: {e}") from None
+            body, fmt = await asyncio.to_thread(transcription_body, form)
+            self.check.check("chat", body)
+            sampling = self._sampling(body)
+            body["messages"] = await self._decode_media(body["messages"])
+        except BadRequest as e:
+            return self._invalid(e)
+        run = self._start(body, "transcription", "tr", "messages", sampling, final)
+        if isinstance(run, web.Response):
+            return run
+        try:
+            if body.get("stream"):
+                return await self._stream_transcript(request, run)
+            events, last = await self._events(run)
+            if last.kind == "error":
+                return error_response(last.status, last.message, last.code)
+            text = "".join(as_text(ev.payload) for ev in events)
+            if fmt == "text":
+                return web.Response(text=text, content_type="text/plain")
+            return web.json_response({"text": text, "usage": _transcription_usage(last.payload)})
+        finally:
+            self.orch.abort(run)
+
+    async def _stream_transcript(self, request: web.Request, run: Run) -> web.StreamResponse:
+        """OpenAI's transcript stream: SSE `transcript.text.delta` events, then `transcript.text.done`."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        text: list[str] = []
+        try:
+            while True:
+                ev: Event = await run.events.get()
+                if ev.kind == "output":
+                    text.append(as_text(ev.payload))
+                    await resp.write(_sse({"type": "transcript.text.delta", "delta": text[-1]}))
+                    continue
+                if ev.kind == "end":
+                    await resp.write(_sse({"type": "transcript.text.done", "text": "".join(text),
+                                           "usage": _transcription_usage(ev.payload)}))
+                else:
+                    await resp.write(_sse({"type": "error", "error": {"message": ev.message, "type": ev.code,
+                                                                      "code": ev.status}}))
+                break
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client left; the caller aborts the request
+        return resp
 
     async def _stream_speech(self, request: web.Request, run: Run, sse: bool) -> web.StreamResponse:
         """PCM as the audio stages produce it: raw bytes, or SSE speech.audio.delta events."""
@@ -653,6 +719,75 @@ def _sum_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
             for key in counts:
                 mine[key] += counts[key]
     return total
+
+
+# Form fields of /v1/audio/transcriptions; OpenAI's others (timestamps, diarization, logprobs) are refused by name.
+TRANSCRIPTION_FIELDS = ("file", "model", "prompt", "language", "temperature", "response_format", "stream", "timeout")
+TRANSCRIPT_INSTRUCTION = "Transcribe the audio."
+_AUDIO_MAGIC = ((b"RIFF", "wav"), (b"fLaC", "flac"), (b"OggS", "ogg"), (b"ID3", "mp3"))
+
+
+def transcription_body(form: Any) -> tuple[dict[str, Any], str]:
+    """A transcription form as the chat body it runs as, and its response_format (a worker thread's work:
+    it base64-encodes the file)."""
+    unknown = sorted({k for k in form.keys() if k not in TRANSCRIPTION_FIELDS})
+    if unknown:
+        raise BadRequest(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                         f"(this endpoint takes {', '.join(TRANSCRIPTION_FIELDS)})")
+    values: dict[str, str] = {}
+    for key in TRANSCRIPTION_FIELDS[1:]:
+        got = form.getall(key, [])
+        if len(got) > 1:
+            raise BadRequest(f"'{key}' is given {len(got)} times")
+        if got:
+            if not isinstance(got[0], str):
+                raise BadRequest(f"'{key}' must be a form field, not a file")
+            values[key] = got[0]
+    files = form.getall("file", [])
+    if len(files) != 1 or not hasattr(files[0], "file"):
+        raise BadRequest("'file' is required: one audio file (wav, flac, mp3 or ogg) as a multipart file field")
+    raw = files[0].file.read()
+    fmt = next((f for magic, f in _AUDIO_MAGIC if raw.startswith(magic)), None)
+    if fmt is None and len(raw) > 1 and raw[0] == 0xFF and raw[1] & 0xE0 == 0xE0:
+        fmt = "mp3"  # an MPEG audio frame header without an ID3 tag
+    if fmt is None:
+        raise BadRequest(f"'file' ({str(files[0].filename)[:64]!r}) is not wav, flac, mp3 or ogg audio")
+    response_format = values.get("response_format", "json")
+    if response_format not in ("json", "text"):
+        raise BadRequest(f"response_format {response_format[:32]!r} is not supported here; use json or text "
+                         "(srt, vtt and verbose_json need timestamps, which the pipeline does not produce)")
+    instruction = TRANSCRIPT_INSTRUCTION
+    language = values.get("language")
+    if language is not None:
+        if not (2 <= len(language) <= 3 and language.isascii() and language.isalpha()):
+            raise BadRequest(f"'language' must be an ISO-639-1 code such as 'en', not {language[:32]!r}")
+        instruction = f"Transcribe the audio; its language: {language.lower()}."
+    if values.get("prompt"):
+        instruction += "\n" + values["prompt"]
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(raw).decode(), "format": fmt}},
+        {"type": "text", "text": instruction}]}]}
+    if "model" in values:
+        body["model"] = values["model"]
+    for key in ("temperature", "timeout"):
+        if key in values:
+            try:
+                body[key] = float(values[key])
+            except ValueError:
+                body[key] = math.nan
+            if not math.isfinite(body[key]):
+                raise BadRequest(f"'{key}' must be a number")
+    if "stream" in values:
+        if values["stream"] not in ("true", "false"):
+            raise BadRequest("'stream' must be true or false")
+        body["stream"] = values["stream"] == "true"
+    return body, response_format
+
+
+def _transcription_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """The run's token counts as OpenAI's transcription usage."""
+    return {"type": "tokens", "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"]}
 
 
 def _audio_format(body: dict[str, Any]) -> str:

@@ -650,7 +650,7 @@ class StageWorker:
     def _entry_input(self, info: wire.RequestInfo) -> Any:
         if self.processor is not None:
             return self._process({}, info)
-        return info.messages if info.kind == "chat" else info.prompt
+        return info.messages if info.messages is not None else info.prompt
 
     def _process(self, upstream: dict[str, Any], info: wire.RequestInfo) -> Any:
         """The input processor (default: a single-input stage gets the value, a stage with several

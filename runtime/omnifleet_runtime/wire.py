@@ -143,7 +143,7 @@ class RequestInfo(msgspec.Struct):
     """What every stage (and its input processor) may know of the client request."""
 
     request_id: str
-    kind: str  # "chat" | "completion"
+    kind: str  # the API: "chat", "completion", "image", "speech", "transcription"
     model: str
     prompt: Any = None
     messages: list[Any] | None = None

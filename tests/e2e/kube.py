@@ -26,6 +26,7 @@ import yaml
 
 from omnifleet_operator.devcluster import commands as dev
 from omnifleet_operator.devcluster.cluster import DevCluster
+from omnifleet_runtime.lifetime import parent_death_preexec
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "manifests" / "samples"
@@ -290,7 +291,8 @@ class OperatorRunner:
             log.write(f"===== operator start #{self.starts + 1} =====\n".encode())
             log.flush()
             self.proc = subprocess.Popen(dev.operator_argv(url), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+                                         stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
+                                         preexec_fn=parent_death_preexec(signal.SIGTERM))
         self.starts += 1
         dev.wait_live(url, self.alive, self.log)
 

@@ -6,7 +6,7 @@ REQUEST.json: {"engine": engine args, "requests": [messages, ...], "sampling_par
 decodes the content parts itself (a PNG data URL, a base64 WAV, an MP4 data URL with its own video
 loader), renders the chat template with its own placeholders and expands them; nothing of omnifleet is
 on the path. Writes OUT.json: per request, in order, the prompt's token ids as the engine ran it and the
-generated token ids.
+generated token ids and text.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def main() -> None:
     results = []
     for messages in req["requests"]:  # one at a time, as the fleet runs them
         [o] = llm.chat(messages, SamplingParams(**req["sampling_params"]), chat_template_content_format="openai")
-        results.append({"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids)})
+        results.append({"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids),
+                        "text": o.outputs[0].text})
     Path(out).write_text(json.dumps(results))
     print("oracle done", flush=True)
     os._exit(0)  # the engine's background threads would otherwise keep the process alive

@@ -45,6 +45,12 @@ SAMPLING = {"max_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.1}  # v
 CLIP_FRAMES = 40  # 10 s: more than the default loader's 32 frames and Qwen2-VL's loader's 2 a second
 
 
+def transcription_message() -> list:
+    """What /v1/audio/transcriptions makes of media()'s WAV with language=en: the message vLLM's LLM.chat gets."""
+    wav = media()[0][0]["content"][1]
+    return [{"role": "user", "content": [wav, {"type": "text", "text": "Transcribe the audio; its language: en."}]}]
+
+
 def video_message() -> list:
     import base64
 
@@ -77,7 +83,8 @@ def tiny_omni() -> str:
 @pytest.fixture(scope="module")
 def oracle(tiny_omni, tmp_path_factory, request) -> dict:
     tmp = tmp_path_factory.mktemp("llm-media-oracle")
-    (tmp / "request.json").write_text(json.dumps({"engine": ENGINE, "requests": [media()[0], video_message()],
+    (tmp / "request.json").write_text(json.dumps({"engine": ENGINE, "requests": [media()[0], video_message(),
+                                                                               transcription_message()],
                                                   "sampling_params": SAMPLING}))
     t = time.monotonic()
     with open(tmp / "oracle.log", "wb") as logf:
@@ -95,8 +102,8 @@ def oracle(tiny_omni, tmp_path_factory, request) -> dict:
     assert proc.returncode == 0 and (tmp / "out.json").exists(), \
         (tmp / "oracle.log").read_text(errors="replace")[-6000:]
     report(request.config, "llm-media", f"oracle (vLLM's LLM.chat): {time.monotonic() - t:.1f}s")
-    image_audio, video = json.loads((tmp / "out.json").read_text())
-    return {**image_audio, "video": video}
+    image_audio, video, transcription = json.loads((tmp / "out.json").read_text())
+    return {**image_audio, "video": video, "transcription": transcription}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +143,20 @@ def test_image_and_audio_reach_the_thinker_as_vllm_takes_them(fleet, oracle, req
     report(request.config, "llm-media", f"PNG + WAV + text through omnifleet to stock vLLM: {took:.2f}s; prompt "
            f"{body['usage']['prompt_tokens']} tokens ({grown} for the media), tokens {oracle['token_ids']} as "
            f"vLLM's own LLM.chat")
+
+
+def test_a_transcription_runs_the_thinker_as_vllm_s_chat_with_the_audio_and_the_instruction(fleet, oracle):
+    """OpenAI's client posts the WAV as a file; the thinker runs the prompt vLLM's LLM.chat runs for the audio
+    part and the instruction the master writes, and the transcript is vLLM's answer."""
+    import base64
+
+    want = oracle["transcription"]
+    wav = base64.b64decode(transcription_message()[0]["content"][0]["input_audio"]["data"])
+    got = fleet.openai(timeout=300).audio.transcriptions.create(model="omni-thinker", file=("tone.wav", wav),
+                                                                language="en")
+    assert want["token_ids"] and got.text == want["text"], (got, want)
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (len(want["prompt_token_ids"]),
+                                                                 len(want["token_ids"])), (got.usage, want)
 
 
 def test_the_master_takes_the_frames_vllm_s_own_loader_takes():

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omnifleet_operator.curvekeys import pipeline_keys, write_key_files
 from omnifleet_operator.ports import spare_port
+from omnifleet_runtime.lifetime import parent_death_preexec
 from omnifleet_runtime.security import Keys, secure_client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,6 +112,7 @@ class Proc:
         self.popen = subprocess.Popen(
             [python or sys.executable, "-m", "omnifleet_runtime", *args], env=env, cwd=ROOT,
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=parent_death_preexec(signal.SIGTERM),  # a killed test run leaves no fleet behind
         )
 
     @property

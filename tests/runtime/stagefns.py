@@ -329,6 +329,17 @@ def media_next(inputs, sampling_params, context):
     return json.dumps({**inputs, "next": _media_summary(context.request.messages)})
 
 
+def hear(inputs, sampling_params, context):
+    """A stand-in transcriber: what it heard (the audio part the master decoded) and what it was asked, in two
+    chunks (a streaming text stage)."""
+    parts = [p for m in inputs for p in (m["content"] if isinstance(m["content"], list) else [])]
+    audio = next(p for p in parts if p["type"] == "audio")
+    asked = next(p["text"] for p in parts if p["type"] == "text")
+    first = struct.unpack("<f", audio["audio"]["data"][:4])[0]
+    yield f"{audio['audio']['shape'][0]} samples at {audio['sample_rate']} Hz, first {first:g}"
+    yield f" | {asked} | temperature {sampling_params.get('temperature')}"
+
+
 # ---- striped data: large chunks split over several connections, small ones in between
 
 STRIPED_SIZES = (24 << 20, 100, 12 << 20, 7, 9 << 20)

@@ -21,7 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleet_harness import Fleet, pipeline, stage, wait_until
+from omnifleet_runtime.api import TRANSCRIPTION_FIELDS
 from omnifleet_runtime.limits import KNOWN_KEYS
+
+from .test_chat_media import wav
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -377,6 +380,17 @@ ENDPOINTS = {
 }
 
 
+def post_status(url: str, data: bytes, headers: dict[str, str]) -> int:
+    req = urllib.request.Request(url, data=data, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=20) as resp:  # a hang fails here
+            resp.read()
+            return resp.status
+    except urllib.error.HTTPError as e:
+        e.read()
+        return e.code
+
+
 def body_of(path: str) -> st.SearchStrategy:
     keys = sorted(ENDPOINTS[path])
     core = CORE[path]
@@ -400,16 +414,8 @@ def test_fuzzed_bodies_get_no_500_no_crash_no_hang(make_fleet, path):
               suppress_health_check=list(HealthCheck))
     @given(body=body_of(path))
     def fuzz(body):
-        raw = json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=raw, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
-        try:
-            with urllib.request.urlopen(req, timeout=20) as resp:  # a hang fails here
-                resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as e:
-            e.read()
-            status = e.code
+        status = post_status(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                             {"Content-Type": "application/json", **headers})
         statuses.add(status)
         assert status < 500 or status == 504, (status, body)
 
@@ -417,3 +423,35 @@ def test_fuzzed_bodies_get_no_500_no_crash_no_hang(make_fleet, path):
     assert fleet.procs["master"].alive()
     assert fleet.get("/health")[0] == 200 and fleet.get("/ready")[0] == 200
     assert 200 in statuses and 400 in statuses, statuses  # both sides of the checks were reached
+
+
+FORM_VALUE = st.text(max_size=20) | st.sampled_from(["json", "text", "srt", "en", "true", "false", "0.5", "nan",
+                                                      "1e999", "fuzz", "-1"])
+AUDIO_FILE = st.sampled_from([wav([0, 8000, -8000] * 100), b"RIFF" + bytes(40), b"fLaC", b"OggS\x00", b"ID3",
+                              b"\xff\xfb\x90", b"", b"plain text"]) | st.binary(max_size=64)
+
+
+def test_fuzzed_transcription_forms_get_no_500_no_crash_no_hang(make_fleet):
+    """The multipart endpoint: any fields (known and not, repeated), any file bytes, or none."""
+    from .test_transcriptions import multipart
+
+    fleet = start(make_fleet, multi_output() | {"metadata": {"name": "fuzz"}},
+                  {"pod-a": "a", "pod-t": "t", "pod-i": "img", "pod-s": "aud"})
+    statuses: set[int] = set()
+    keys = st.sampled_from(list(TRANSCRIPTION_FIELDS[1:])) | st.text(min_size=1, max_size=10).filter(
+        lambda k: k.isprintable() and '"' not in k and "\\" not in k)
+
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(fields=st.dictionaries(keys, FORM_VALUE, max_size=5), file=st.none() | AUDIO_FILE,
+           file_field=st.sampled_from(["file", "file", "prompt", "other"]))
+    def fuzz(fields, file, file_field):
+        data, ctype = multipart(fields | {"model": fields.get("model", "fuzz")},
+                                {} if file is None else {file_field: ("clip.wav", file)})
+        status = post_status(f"{fleet.url}/v1/audio/transcriptions", data, {"Content-Type": ctype})
+        statuses.add(status)
+        assert status < 500 or status == 504, (status, fields, file)
+
+    fuzz()
+    assert fleet.procs["master"].alive() and fleet.get("/health")[0] == 200
+    assert 200 in statuses and 400 in statuses, statuses
