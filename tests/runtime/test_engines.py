@@ -85,3 +85,21 @@ def test_vllm_omni_stage_fails_at_start_naming_what_is_missing(make_fleet):
     assert "stage thinker failed to start: stage 'thinker' is a vllm-omni stage, and this stage's python " \
            f"({sys.executable}) cannot import vLLM-Omni (ModuleNotFoundError: No module named 'vllm_omni')" in out
     assert "python -m omnifleet_runtime.devsetup.vllm_omni_env --print-python" in out
+
+
+@pytest.mark.parametrize("omni, engine_args, fragment", [
+    ({"asyncChunk": True}, {}, "vLLM-Omni's async-chunk streaming (vllmOmni.asyncChunk, engineArgs.async_chunk) is "
+     "not supported by this engine yet; import the deploy file with `omnifleet import vllm-omni FILE "
+     "--no-async-chunk`"),
+    ({}, {"async_chunk": True}, "--no-async-chunk"),
+])
+async def test_vllm_omni_async_chunk_stages_are_refused_at_start_saying_how_to_import_them(omni, engine_args,
+                                                                                          fragment):
+    # What an import without --no-async-chunk makes; refused before anything of vLLM-Omni is imported.
+    stage = Stage.model_validate({
+        "name": "talker", "type": "vllm-omni", "inputs": ["thinker"], "engineArgs": engine_args,
+        "vllmOmni": {"pipeline": "qwen3_omni_moe", "stageId": 1, "modelStage": "talker", "workerType": "ar",
+                     **omni}})
+    with pytest.raises(EngineStartError, match="stage 'talker': ") as err:
+        await make_engine(stage, "pod-x").start()
+    assert fragment in str(err.value)

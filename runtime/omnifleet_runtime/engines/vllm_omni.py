@@ -38,8 +38,10 @@ output, as arrays; an AR stage's hidden states as `hidden`, the prompt's and
 every generated token's but the last); a stage whose final output is audio also
 carries `audio` (float32 samples) and `sample_rate`.
 
-Not yet: `async_chunk` streaming (refused at start), fan-in from several
-upstream stages (refused at start), CFG companions, video input.
+Not yet: `async_chunk` streaming (refused at start: `omnifleet import
+vllm-omni FILE --no-async-chunk` imports vLLM-Omni's whole-output mode), fan-in
+from several upstream stages (refused at start; vLLM-Omni 0.30's registry has
+none), CFG companions' KV hand-over.
 """
 
 from __future__ import annotations
@@ -103,6 +105,18 @@ class VllmOmniEngine(Engine):
 
     async def start(self) -> None:
         name = self.stage.name
+        # What no vLLM-Omni install changes is refused first.
+        if self.spec is None:
+            raise EngineStartError(f"stage {name!r}: vllmOmni is required for vllm-omni stages")
+        if self.spec.async_chunk or self.stage.engine_args.get("async_chunk"):
+            # Turning the flag off is not enough: async-chunk mode also picks the stages' input processors.
+            raise EngineStartError(
+                f"stage {name!r}: vLLM-Omni's async-chunk streaming (vllmOmni.asyncChunk, "
+                "engineArgs.async_chunk) is not supported by this engine yet; import the deploy file with "
+                "`omnifleet import vllm-omni FILE --no-async-chunk` (vLLM-Omni's whole-output mode)")
+        if len(self.stage.inputs) > 1:
+            raise EngineStartError(f"stage {name!r}: a vllm-omni stage takes one upstream stage, "
+                                   f"not {len(self.stage.inputs)}")
         try:
             import vllm_omni  # noqa: F401
         except Exception as e:  # ImportError, or a broken install
@@ -110,14 +124,6 @@ class VllmOmniEngine(Engine):
 
             raise EngineStartError(MISSING.format(stage=name, python=sys.executable,
                                                   error=f"{type(e).__name__}: {e}")) from None
-        if self.spec is None:
-            raise EngineStartError(f"stage {name!r}: vllmOmni is required for vllm-omni stages")
-        if self.spec.async_chunk or self.stage.engine_args.get("async_chunk"):
-            raise EngineStartError(f"stage {name!r}: vllmOmni.asyncChunk (vLLM-Omni's async_chunk streaming) "
-                                   "is not supported by this engine yet; set it to false")
-        if len(self.stage.inputs) > 1:
-            raise EngineStartError(f"stage {name!r}: a vllm-omni stage takes one upstream stage, "
-                                   f"not {len(self.stage.inputs)}")
         self.model = expand_model(self.stage)
         from vllm_omni.config.pipeline_registry import register_pipeline, resolve_pipeline_config
 
