@@ -121,8 +121,8 @@ GOALS: tuple[Goal, ...] = (
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most (0.61x at b7072fa, 0.75x at "
          "a7bd6df, 0.73x at 2b74f53, 0.88x at 7a0d074: met, 0.57x at bd3d11b, 0.80x at 57b1033: met, 0.65x at "
-         "9df8e95); from 64 MiB the split data path (8 streams) outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at "
-         "2b74f53, 2.5-3.1x at 7a0d074, 2.4-2.7x at 57b1033, 2.6-2.8x at 9df8e95)"),
+         "9df8e95); from 64 MiB the split data path (8 streams) outruns the raw one-frame link (2.0-2.7x at "
+         "a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074, 2.4-2.7x at 57b1033, 2.6-2.8x at 9df8e95)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
