@@ -33,10 +33,10 @@ class Link:
         self.socks: list[zsock.Socket] = []
         first = self._socket(0)
         # the first handshake too must be done before the second connect
-        monitor = zsock.Socket.wrap(first.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)) if streams > 1 else None
+        self.monitor = self._monitor(first) if streams > 1 else None
         first.connect(addr)
-        self.grow = None if monitor is None else asyncio.get_running_loop().create_task(
-            self._grow(streams, first, monitor))
+        self.grow = None if self.monitor is None else asyncio.get_running_loop().create_task(
+            self._grow(streams, first, self.monitor))
         self.socks.append(first)
         self.up = 1  # socks[:up] carry messages; the one after them may be handshaking
 
@@ -46,6 +46,9 @@ class Link:
         sock.setsockopt(zmq.AFFINITY, 1 << (i % self.io_threads))
         self.secure(sock)
         return sock
+
+    def _monitor(self, sock: zsock.Socket) -> zsock.Socket:
+        return zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
 
     async def _handshake(self, sock: zsock.Socket, monitor: zsock.Socket) -> bool:
         try:
@@ -57,8 +60,10 @@ class Link:
         except asyncio.TimeoutError:
             return False
         finally:
-            sock.disable_monitor()
+            if not sock.closed:  # else close() ended its monitor already
+                sock.disable_monitor()
             monitor.close(linger=0)
+            self.monitor = None
 
     async def _grow(self, streams: int, first: zsock.Socket, monitor: zsock.Socket) -> None:
         if not await self._handshake(first, monitor):
@@ -66,10 +71,10 @@ class Link:
             return
         for i in range(1, streams):
             sock = self._socket(i)
-            monitor = zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
+            self.monitor = self._monitor(sock)
             sock.connect(self.addr)
             self.socks.append(sock)  # closed with the link even while handshaking
-            if not await self._handshake(sock, monitor):
+            if not await self._handshake(sock, self.monitor):
                 self.socks.pop().close(linger=0)
                 log.warning("data link to %s: connection %d not up in %gs; %d serve", self.addr, i,
                             HANDSHAKE_WAIT_S, self.up)
@@ -86,5 +91,9 @@ class Link:
     def close(self) -> None:
         if self.grow is not None:
             self.grow.cancel()
+        # Now, not when the cancelled growing next runs (it may never run again): a monitor socket left
+        # open blocks the context's term() for ever.
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
         for sock in self.socks:
             sock.close(linger=0)

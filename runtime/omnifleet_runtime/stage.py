@@ -56,6 +56,7 @@ _EOF = object()
 PENDING_MAX = 10_000  # requests whose data arrived before their Dispatch
 PENDING_TTL_S = 60.0
 PEER_SOCKETS_MAX = 256
+DEREGISTER_WAIT_S = 1.0  # for room to send a Deregister (a full queue to a slow master)
 # Shared-memory files of this pod older than this are leftovers (a reader that died): swept.
 SHM_LEFTOVER_AGE_S = 2 * PENDING_TTL_S
 INPUTS_MAX = 4096  # input chunks of one request waiting for the engine; past it the request fails
@@ -333,7 +334,7 @@ class StageWorker:
         if self.jobs:
             log.warning("drain deadline passed; aborting %d request(s)", len(self.jobs))
             self._abort_all()
-        await self._broadcast(wire.Deregister("shutting down"))
+        await self._broadcast(wire.Deregister("shutting down"), DEREGISTER_WAIT_S)
         log.info("drained; exiting")
 
     async def _engine_watch(self) -> None:
@@ -354,7 +355,7 @@ class StageWorker:
         self._set_registered(C.WORKER_UNREGISTERED)
         if self.on_engine_died is not None:
             self.on_engine_died()
-        await self._broadcast(wire.Deregister(f"engine died: {reason}"))
+        await self._broadcast(wire.Deregister(f"engine died: {reason}"), DEREGISTER_WAIT_S)
         self._abort_all()
         self.stopping.set()
 
@@ -385,11 +386,21 @@ class StageWorker:
         except zmq.ZMQError as e:
             log.debug("send to master %s failed: %s", session.addr, e)
 
-    async def _broadcast(self, msg: wire.Msg) -> None:
-        """To every master this replica is registered with (what they all must know: draining, leaving)."""
+    async def _broadcast(self, msg: wire.Msg, wait_s: float = 0.0) -> None:
+        """To every master this replica is registered with (what they all must know: draining, leaving).
+        With wait_s, a message that finds no room waits that long for it (a Deregister dropped would read
+        as a lost replica); else it is dropped, as heartbeats are."""
         frames = wire.encode(msg)
-        for session in list(self.sessions.values()):
-            await self._send_master_frames(frames, session, block=False)
+
+        async def send(session: MasterSession) -> None:
+            if not wait_s:
+                return await self._send_master_frames(frames, session, block=False)
+            try:
+                await asyncio.wait_for(self._send_master_frames(frames, session), wait_s)
+            except asyncio.TimeoutError:
+                log.warning("master %s took no %s in %gs", session.addr, type(msg).__name__, wait_s)
+
+        await asyncio.gather(*(send(s) for s in list(self.sessions.values())))
 
     def _update_registered(self) -> None:
         # Ready (in the pod's /readyz) while registered with at least one master, not with all: every
@@ -456,7 +467,10 @@ class StageWorker:
                 self._update_registered()
                 log.info("registered with master %s at %s", session.master_id, session.addr)
                 why = await self._serve_master(sock, monitor, session)
-                log.warning("master session ended (%s); registering again at %s", why, session.addr)
+                if self.draining:  # it left: the session's end is no news
+                    log.info("master session ended (%s)", why)
+                else:
+                    log.warning("master session ended (%s); registering again at %s", why, session.addr)
                 backoff = 0.0
             except Refused as e:
                 log.error("registration refused by the master at %s: %s", session.addr, e)
