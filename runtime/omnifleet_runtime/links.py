@@ -36,7 +36,7 @@ class Link:
         self.monitor = self._monitor(first) if streams > 1 else None
         first.connect(addr)
         self.grow = None if self.monitor is None else asyncio.get_running_loop().create_task(
-            self._grow(streams, first, self.monitor))
+            self._grow(streams, first))
         self.socks.append(first)
         self.up = 1  # socks[:up] carry messages; the one after them may be handshaking
 
@@ -50,7 +50,9 @@ class Link:
     def _monitor(self, sock: zsock.Socket) -> zsock.Socket:
         return zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED))
 
-    async def _handshake(self, sock: zsock.Socket, monitor: zsock.Socket) -> bool:
+    async def _handshake(self, sock: zsock.Socket) -> bool:
+        """Waits for sock's handshake on self.monitor, then ends that monitor."""
+        monitor = self.monitor
         try:
             while True:
                 event = zsock.monitor_event(await asyncio.wait_for(monitor.recv_message(zsock.MONITOR_FRAMES),
@@ -65,8 +67,8 @@ class Link:
             monitor.close(linger=0)
             self.monitor = None
 
-    async def _grow(self, streams: int, first: zsock.Socket, monitor: zsock.Socket) -> None:
-        if not await self._handshake(first, monitor):
+    async def _grow(self, streams: int, first: zsock.Socket) -> None:
+        if not await self._handshake(first):
             log.warning("data link to %s: no handshake in %gs; one connection only", self.addr, HANDSHAKE_WAIT_S)
             return
         for i in range(1, streams):
@@ -74,7 +76,7 @@ class Link:
             self.monitor = self._monitor(sock)
             sock.connect(self.addr)
             self.socks.append(sock)  # closed with the link even while handshaking
-            if not await self._handshake(sock, self.monitor):
+            if not await self._handshake(sock):
                 self.socks.pop().close(linger=0)
                 log.warning("data link to %s: connection %d not up in %gs; %d serve", self.addr, i,
                             HANDSHAKE_WAIT_S, self.up)

@@ -455,13 +455,16 @@ class StageWorker:
         while not self.draining and session.wanted:
             await asyncio.sleep(backoff)
             sock = zsock.Socket(self.ctx, zmq.DEALER)
-            sock.linger = 0
-            sock.immediate = True  # queue nothing for a master that is not connected
-            security.secure_client(sock, self.keys, security.CURVE, C.MAX_CONTROL_FRAME_BYTES)  # control: always CURVE
-            sock.routing_id = f"{self.stage.name}/{self.replica}/{uuid.uuid4().hex[:8]}".encode()
-            monitor = zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
-            sock.connect(session.addr)
+            monitor: zsock.Socket | None = None
+            # Everything after the socket is made is undone in `finally`: a socket or monitor left open, e.g.
+            # by a connect() that raised, blocks the context's term() for ever.
             try:
+                sock.linger = 0
+                sock.immediate = True  # queue nothing for a master that is not connected
+                security.secure_client(sock, self.keys, security.CURVE, C.MAX_CONTROL_FRAME_BYTES)  # always CURVE
+                sock.routing_id = f"{self.stage.name}/{self.replica}/{uuid.uuid4().hex[:8]}".encode()
+                monitor = zsock.Socket.wrap(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+                sock.connect(session.addr)
                 reply = await self._register(sock)
                 session.master_id, session.serving, session.sock = reply.master_id, reply.serving, sock
                 self._update_registered()
@@ -484,8 +487,9 @@ class StageWorker:
                 session.sock = None
                 self._update_registered()
                 self._abort_session(session)  # whatever that master sent us can no longer be delivered
-                sock.disable_monitor()
-                monitor.close(linger=0)
+                if monitor is not None:
+                    sock.disable_monitor()
+                    monitor.close(linger=0)
                 sock.close(linger=500 if self.draining else 0)  # let a Deregister leave
 
     async def _register(self, sock: zsock.Socket) -> wire.RegisterReply:
