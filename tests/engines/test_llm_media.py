@@ -11,9 +11,8 @@ The oracle is vLLM's own `LLM.chat` on the same checkpoint and engine settings, 
 given the messages as the client sent them (vLLM decodes the PNG, the WAV and the MP4 itself,
 llm_media_oracle.py). Greedy: the tokens through omnifleet must equal the oracle's, and the prompt the
 engine ran (usage.prompt_tokens) must be the oracle's, placeholders expanded to the media's length.
-What the tokens prove is limited: this tiny random thinker, run by stock vLLM, answers one repeated token
-(198) whatever the penalty; the prompt length and the vllm-omni tests' hidden states (equal to vLLM-Omni's
-for the same media) are the sharper checks.
+The prompt length and the vllm-omni tests' hidden states (equal to vLLM-Omni's for the same media) are
+the sharper checks of the media's path.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import pytest
 from fleet_harness import Fleet, pipeline  # noqa: E402
 
 from ..conftest import mp4, time_limit  # noqa: E402
-from .conftest import HEARTBEAT, HERE, media, report  # noqa: E402
+from .conftest import HEARTBEAT, HERE, engine_env, media, report, tiny_omni_path  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 TEST_TIMEOUT_S = 900
@@ -65,18 +64,11 @@ def overall_timeout():
         yield
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-
-
 @pytest.fixture(scope="module")
 def tiny_omni() -> str:
-    proc = subprocess.run([sys.executable, "-m", "omnifleet_runtime.devsetup.tiny_omni", "--print-path"],
-                          capture_output=True, text=True, timeout=600, env=_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    path = proc.stdout.strip().splitlines()[-1]
+    path = tiny_omni_path()
     # Without its multimodal processor the checkpoint takes text only (tiny_omni saves it when torchvision loads).
-    assert (Path(path) / "processor_config.json").exists(), f"{path} has no multimodal processor: {proc.stderr[-2000:]}"
+    assert (Path(path) / "processor_config.json").exists(), f"{path} has no multimodal processor"
     return path
 
 
@@ -90,7 +82,7 @@ def oracle(tiny_omni, tmp_path_factory, request) -> dict:
     with open(tmp / "oracle.log", "wb") as logf:
         proc = subprocess.Popen([sys.executable, str(HERE / "llm_media_oracle.py"), tiny_omni,
                                  str(tmp / "request.json"), str(tmp / "out.json")],
-                                stdout=logf, stderr=subprocess.STDOUT, env=_env(), cwd=tmp, start_new_session=True)
+                                stdout=logf, stderr=subprocess.STDOUT, env=engine_env(), cwd=tmp, start_new_session=True)
         try:
             proc.wait(timeout=600)
         finally:

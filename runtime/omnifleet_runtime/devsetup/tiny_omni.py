@@ -14,7 +14,10 @@ into place).
 What vLLM-Omni needs beyond transformers' defaults: a byte-level tokenizer that
 keeps Qwen's special tokens at their real ids (the thinker's config names them),
 head_dim 64 (vLLM's CPU attention), mrope sections that sum to head_dim/2, and a
-`spk_dict.pt` with the two speakers the talker knows (code2wav always loads it).
+`spk_dict.pt` with the two speakers the talker knows (code2wav always loads it; transformers' talker
+reads each one's text token too), and the thinker's input and output embeddings untied, as in the real
+checkpoint (with the config saying tied, transformers kept them apart and vLLM tied them: the two
+answered different tokens).
 Weights: transformers' initialisers under torch.manual_seed, stored as bfloat16
 (engines load them as float32; code2wav fails in bfloat16).
 """
@@ -56,7 +59,7 @@ RECIPE = {
     "seed": SEED,
     "text": dict(vocab_size=151936, hidden_size=H, intermediate_size=256, num_hidden_layers=1,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
-                 rope_parameters=ROPE),
+                 rope_parameters=ROPE, tie_word_embeddings=False),
     "audio": dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=256, d_model=128,
                   output_dim=H, n_window=100, max_source_positions=1500),
     "vision": dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=H,
@@ -74,7 +77,8 @@ RECIPE = {
                 enc_emb_dim=32, enc_dim=32, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16,
                 enc_se_channels=16),
     "bigvgan": dict(mel_dim=80, upsample_initial_channel=64),
-    "speakers": ["Chelsie", "Ethan"],
+    # Each speaker's text token (the talker's first text input, transformers' `bos_token` of the speaker).
+    "speakers": {"Chelsie": 151870, "Ethan": 151871},
     "specials": SPECIALS,
     "chat_template": CHAT_TEMPLATE,
 }
@@ -135,12 +139,12 @@ def build(out: Path) -> None:
                              chat_template=CHAT_TEMPLATE).save_pretrained(out)
     else:
         log("no torchvision: no multimodal processor (the checkpoint takes text input)")
-    # code2wav reads the speakers' conditioning and reference mel from here.
+    # code2wav reads the speakers' conditioning and reference mel from here, transformers' talker the bos_token.
     g = torch.Generator().manual_seed(SEED)
     dit = RECIPE["dit"]
     torch.save({name: {"cond": torch.randn(1, dit["enc_emb_dim"], generator=g),
-                       "ref_mel": torch.randn(1, 300, dit["mel_dim"], generator=g)}
-                for name in RECIPE["speakers"]}, out / "spk_dict.pt")
+                       "ref_mel": torch.randn(1, 300, dit["mel_dim"], generator=g), "bos_token": bos}
+                for name, bos in RECIPE["speakers"].items()}, out / "spk_dict.pt")
 
 
 def ensure() -> Path:
