@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +18,19 @@ sys.path.insert(0, str(HERE))  # enginefns.py
 # stages, not stalled themselves, then took it for lost at 10 s). The production
 # default is 2 s of silence; these tests allow 20.
 HEARTBEAT = {"intervalSeconds": 0.5, "timeoutSeconds": 20}
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of processes that run vLLM here: a small KV cache, no model downloads."""
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def tiny_omni_path(python: str = sys.executable) -> str:
+    """The tiny seeded Qwen2.5-Omni checkpoint as python's transformers writes it (built once, cached)."""
+    proc = subprocess.run([python, "-m", "omnifleet_runtime.devsetup.tiny_omni", "--print-path"],
+                          capture_output=True, text=True, timeout=600, env=engine_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def media() -> tuple[list, dict]:

@@ -23,7 +23,7 @@ def test_overrides_address_stages_by_name_and_parse_values():
     doc = speech()
     out = apply_overrides(doc, [
         "stages.talker.replicas=3",
-        "stages.code2wav.engineArgs.gpu_memory_utilization=0.2",
+        "stages.code2wav.engineArgs.factory_kwargs.seed=7",
         "stages.thinker.engineArgs={max_num_seqs: 8, enforce_eager: true}",
         "spec.model=/models/other",
         "stages.thinker.nodeSelector.gpu\\.vendor/model=h200",
@@ -32,10 +32,11 @@ def test_overrides_address_stages_by_name_and_parse_values():
         "master.apiPort=9000",
     ])
     assert stage(out, "talker")["replicas"] == 3
-    assert stage(out, "code2wav")["engineArgs"] == {"gpu_memory_utilization": 0.2}
+    assert stage(out, "code2wav")["engineArgs"] == {"factory_kwargs": {"speaker": "Chelsie", "seed": 7}}
     # a mapping merges: the file's other engine args stay
-    assert stage(out, "thinker")["engineArgs"] == {"gpu_memory_utilization": 0.8, "max_model_len": 32768,
-                                                   "max_num_seqs": 8, "enforce_eager": True}
+    thinker = yaml.safe_load((SAMPLES / "speech.yaml").read_text())["spec"]["stages"][0]["engineArgs"]
+    assert stage(out, "thinker")["engineArgs"] == {**thinker, "max_num_seqs": 8, "enforce_eager": True}
+    assert thinker["max_num_seqs"] != 8
     assert out["spec"]["model"] == "/models/other"
     assert stage(out, "thinker")["nodeSelector"] == {"gpu.vendor/model": "h200"}
     assert stage(out, "talker")["autoscaling"] == {"maxReplicas": 4}
@@ -68,7 +69,8 @@ def test_cli_render_and_validate_take_overrides():
     assert r.returncode == 0, r.stderr
     deps = {o["metadata"]["name"]: o for o in yaml.safe_load_all(r.stdout) if o["kind"] == "Deployment"}
     assert deps["speech-talker"]["spec"]["replicas"] == 5 and deps["speech-thinker"]["spec"]["replicas"] == 2
-    r = omnifleet("validate", "-f", str(SAMPLES / "speech.yaml"), "stages.code2wav.engineArgs.gpu_memory_utilization=0.5")
+    r = omnifleet("validate", "-f", str(SAMPLES / "speech.yaml"), "stages.talker.engineArgs.gpu_memory_utilization=0.6",
+                  "stages.code2wav.engineArgs.gpu_memory_utilization=0.5")
     assert r.returncode == 1
     assert "ask for talker 0.6 + code2wav 0.5 = 1.10 > 1.0" in r.stderr
     r = omnifleet("validate", "-f", str(SAMPLES / "speech.yaml"), "stages.vocoder.replicas=1")

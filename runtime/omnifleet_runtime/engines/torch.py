@@ -1,7 +1,9 @@
 """The `torch` engine: a stage that is an `nn.Module`.
 
 `entrypoint` names `module:factory`; `factory(**engine_args["factory_kwargs"])`
-returns the module, which is moved to `engine_args["device"]` (default: cuda
+returns the module (a factory with a `model` parameter that factory_kwargs do
+not set gets the stage's model, `stages[].model` or `spec.model`, `$VAR`s
+expanded), which is moved to `engine_args["device"]` (default: cuda
 when available, else cpu) and put in eval mode. Each input item becomes one
 forward call under `torch.inference_mode()`: a dict is passed as keyword
 arguments, a list as positional arguments, anything else as the one argument.
@@ -28,6 +30,7 @@ torch (and numpy, to view tensor memory) are imported only here, lazily.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import warnings
 from typing import Any, AsyncIterator
@@ -53,7 +56,12 @@ class TorchEngine(Engine):
         self.torch = torch
         self.device = self.args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         factory = load_callable(self.stage.entrypoint)
-        module = await asyncio.to_thread(factory, **self.args.get("factory_kwargs", {}))
+        kwargs = dict(self.args.get("factory_kwargs", {}))
+        if "model" not in kwargs and "model" in inspect.signature(factory).parameters and self.stage.model:
+            from .vllm import expand_model  # imports nothing of vLLM's
+
+            kwargs["model"] = expand_model(self.stage)
+        module = await asyncio.to_thread(factory, **kwargs)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{self.stage.entrypoint} returned {type(module).__name__}, not an nn.Module")
         self.module = module.to(self.device).eval()

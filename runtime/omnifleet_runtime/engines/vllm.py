@@ -47,7 +47,10 @@ Output chunks (one per engine step, streamed):
 first chunk, `finish_reason` (and `stop_reason`) in the last, `index` when
 `n > 1`, `logprobs` (`[[token_id, logprob], ...]` per token) when asked, and
 `extra`: every tensor or array the model returned on the output objects
-(as `wire.Array`s), for the next stage's input processor.
+(as `wire.Array`s), for the next stage's input processor. With omnifleet's
+hidden-states tap as vLLM's `worker_extension_cls` (engines/hidden.py), the
+last chunk's `extra.hidden` holds the decoder's final hidden states of every
+forwarded token, float32 `[prompt + generated - 1, hidden size]`.
 
 Control RPCs: `ping`; `stats` (the engine's own counters: unfinished requests,
 scheduler running/waiting); `generate` (`{"prompts": [...], "sampling_params":
@@ -71,6 +74,7 @@ import uuid
 from typing import Any, AsyncIterator
 
 from ..schema import Stage
+from . import hidden
 from .base import BadInput, Engine, EngineRequest, EngineStartError
 from .mm import split_media
 from .tensors import is_tensor_like, to_wire
@@ -129,6 +133,9 @@ class VllmEngine(Engine):
         self.model = ""
         self.loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest (stage.loras)
         self._vllm: Any = None
+        # engineArgs name omnifleet's hidden-states tap as vLLM's worker extension (engines/hidden.py): each
+        # request's last chunk carries the decoder's hidden states as extra["hidden"].
+        self.tap = stage.engine_args.get("worker_extension_cls") == hidden.TAP
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
         self._prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{stage.name}-tokenize")
 
@@ -143,6 +150,14 @@ class VllmEngine(Engine):
         check_engine_args(self.stage, fields - {"model"}, "vllm.AsyncEngineArgs", vllm.__version__)
         self._vllm = vllm
         args = {"disable_log_stats": False, **self.stage.engine_args, "model": self.model}
+        if self.tap:
+            # The tap hooks a submodule (compiled forwards skip hooks) and needs every prompt row forwarded.
+            wrong = [f"{k}: {args.get(k)!r}" for k, want in (("enforce_eager", True), ("enable_prefix_caching", False))
+                     if args.get(k) is not want]
+            if wrong:
+                raise EngineStartError(f"stage {self.stage.name!r}: worker_extension_cls {hidden.TAP} needs "
+                                       f"engineArgs enforce_eager: true and enable_prefix_caching: false "
+                                       f"(got {', '.join(wrong)})")
         if self.stage.loras:
             from vllm.lora.request import LoRARequest
 
@@ -162,6 +177,12 @@ class VllmEngine(Engine):
         except Exception as e:
             raise EngineStartError(f"stage {self.stage.name!r}: vLLM could not start model {self.model}: "
                                    f"{type(e).__name__}: {e}") from e
+        if self.tap:
+            try:
+                await self.engine.collective_rpc("omnifleet_hidden_install")
+            except Exception as e:
+                raise EngineStartError(f"stage {self.stage.name!r}: the hidden-states tap cannot hook model "
+                                       f"{self.model}: {type(e).__name__}: {e}") from e
         self.start_s = time.monotonic() - t
         tok = self.engine.get_tokenizer()
         self.tokenizer = await tok if inspect.isawaitable(tok) else tok
@@ -308,14 +329,25 @@ class VllmEngine(Engine):
         loop = asyncio.get_running_loop()
         ids, text, overrides, mm = await loop.run_in_executor(self._prompts, self.prompt_of, item)
         sp = self.sampling_params({**params, **overrides})
+        if self.tap and sp.n > 1:
+            raise BadInput(f"stage {self.stage.name!r} puts hidden states on the wire: one sample per prompt (n 1)")
         vid = f"{rid}-{uuid.uuid4().hex[:8]}"
         owned = self.active.setdefault(owner or rid, set())
         owned.add(vid)
-        first = True
+        first, taken, prompt_len, generated = True, False, 0, 0
         try:
             async for out in self.engine.generate(self._engine_prompt(ids, text, mm), sp, vid,
                                                   **({"lora_request": self.loras[lora]} if lora in self.loras else {})):
-                for chunk in self._chunks(out, sp, first):
+                chunks = self._chunks(out, sp, first)
+                if self.tap:
+                    prompt_len = len(out.prompt_token_ids or ()) or prompt_len
+                    generated += sum(len(c.token_ids) for c in out.outputs)  # deltas
+                    if out.finished:
+                        taken = True
+                        # every token but the last was forwarded (a step scheduled before the stop was known may
+                        # have forwarded the last too: trimmed)
+                        await self._attach_hidden(vid, prompt_len + generated - 1, chunks)
+                for chunk in chunks:
                     yield chunk
                     first = False
                 # vLLM hands over queued outputs without awaiting, and sends to ZMQ complete at once: a fast
@@ -329,6 +361,24 @@ class VllmEngine(Engine):
             owned.discard(vid)
             if not owned:
                 self.active.pop(owner or rid, None)
+            if self.tap and not taken and not self.engine.errored:
+                try:
+                    await self.engine.collective_rpc("omnifleet_hidden_drop", args=(vid,))
+                except Exception as e:  # the tap bounds what it keeps; this only frees it sooner
+                    log.warning("stage %s: could not drop the hidden states of %s: %s", self.stage.name, vid, e)
+
+    async def _attach_hidden(self, vid: str, want: int, chunks: list[dict[str, Any]]) -> None:
+        """The tap's first `want` rows of a finished request, on its last chunk."""
+        import numpy as np
+
+        taken = (await self.engine.collective_rpc("omnifleet_hidden_take", args=(vid,)))[0]
+        if taken is None or taken[0][0] < want:
+            raise RuntimeError(f"stage {self.stage.name!r}: the hidden-states tap holds "
+                               f"{0 if taken is None else taken[0][0]} rows of request {vid}, not {want}")
+        rows = np.frombuffer(taken[1], dtype=np.float32).reshape(taken[0])
+        if not chunks:
+            chunks.append({"text": "", "token_ids": []})
+        chunks[-1].setdefault("extra", {})["hidden"] = to_wire(rows[:want])
 
     def _chunks(self, out: Any, sp: Any, first: bool) -> list[dict[str, Any]]:
         chunks = []

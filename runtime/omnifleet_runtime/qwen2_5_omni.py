@@ -1,0 +1,177 @@
+"""Qwen2.5-Omni's talker and code2wav as `torch` stages, with transformers' own modules, after a thinker
+that is a stock-vLLM `llm` stage (no vLLM-Omni).
+
+    thinker  (llm: vLLM's Qwen2.5-Omni thinker; engineArgs.worker_extension_cls:
+              omnifleet_runtime.engines.hidden.HiddenStatesTap, so its last chunk carries
+              extra.hidden, the decoder's final hidden states, [prompt + generated - 1, H])
+    talker   (torch: entrypoint omnifleet_runtime.qwen2_5_omni:talker,
+              inputProcessor omnifleet_runtime.qwen2_5_omni:thinker_to_talker) -> {"codes"}
+    code2wav (torch: entrypoint omnifleet_runtime.qwen2_5_omni:code2wav) -> {"audio", "sample_rate"}
+
+The talker is fed as transformers' `Qwen2_5OmniForConditionalGeneration.generate` feeds it, from the
+thinker's prompt and generated ids and its hidden states: its prompt rows are hidden + token embedding,
+then the speaker's text token and the first generated token; each decode step adds the next generated
+token's row, then the text end and pad embeddings. Each factory reads only its own weights (and the
+talker the thinker's token embeddings) from the checkpoint's safetensors, and the speakers from its
+`spk_dict.pt` (read as tensors only, `weights_only`).
+
+Not covered: prompts with image, audio or video. The talker's positions (3-D mRoPE) then need the media's
+grids and audio lengths, which vLLM does not return; such a request is refused (400 naming the stage).
+Code2wav draws its noise from torch's generator: `seed` (a factory argument) makes it reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .engines.base import BadInput
+
+SAMPLE_RATE = 24000  # Token2Wav's output rate
+
+
+def _weights(model: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors whose names start with one of prefixes, read from its safetensors files."""
+    from safetensors import safe_open
+
+    root = Path(model)
+    index = root / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        ["model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(root / name), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(prefixes):
+                    out[key] = f.get_tensor(key)
+    return out
+
+
+def _module(cls: Any, config: Any, weights: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> Any:
+    sub = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    if not sub:
+        raise ValueError(f"the checkpoint has no {prefix}* weights")
+    module = cls._from_config(config, dtype=dtype)  # transformers picks attention as from_pretrained does
+    module.load_state_dict(sub, strict=True)
+    return module.eval()
+
+
+def _speakers(model: str) -> dict[str, dict[str, Any]]:
+    return torch.load(Path(model) / "spk_dict.pt", map_location="cpu", weights_only=True)
+
+
+class Talker(torch.nn.Module):
+    def __init__(self, model: str, speaker: str = "Chelsie", dtype: str = "auto", max_new_tokens: int = 4096,
+                 do_sample: bool = True, top_k: int = 40, top_p: float = 0.8, temperature: float = 0.9,
+                 repetition_penalty: float = 1.05, eos_token_id: tuple[int, ...] = (8292, 8294)):
+        super().__init__()
+        from transformers import Qwen2_5OmniConfig
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniTalkerForConditionalGeneration
+
+        cfg = Qwen2_5OmniConfig.from_pretrained(model)
+        weights = _weights(model, ("talker.", "thinker.model.embed_tokens.weight"))
+        dt = getattr(cfg.talker_config, "dtype", None) if dtype == "auto" else dtype
+        dt = dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt or "float32").removeprefix("torch."))
+        self.talker = _module(Qwen2_5OmniTalkerForConditionalGeneration, cfg.talker_config, weights, "talker.", dt)
+        self.embed = torch.nn.Embedding.from_pretrained(weights["thinker.model.embed_tokens.weight"].to(dt))
+        self.speakers = _speakers(model)
+        if speaker not in self.speakers:
+            raise ValueError(f"speaker {speaker!r} is not in {model}/spk_dict.pt ({', '.join(self.speakers)})")
+        self.speaker = speaker
+        tc = cfg.thinker_config
+        self.media_ids = {tc.audio_token_index, tc.image_token_index, tc.video_token_index}
+        self.generation = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, top_k=top_k, top_p=top_p,
+                               temperature=temperature, repetition_penalty=repetition_penalty,
+                               eos_token_id=list(eos_token_id))
+
+    def forward(self, prompt_token_ids: list[int], token_ids: list[int], hidden: torch.Tensor,
+                speaker: str | None = None) -> dict[str, torch.Tensor]:
+        speaker = speaker or self.speaker
+        if speaker not in self.speakers:
+            raise BadInput(f"talker: unknown speaker {speaker!r} (known: {', '.join(self.speakers)})")
+        if self.media_ids & set(prompt_token_ids):
+            raise BadInput("talker: prompts with image, audio or video are not supported on this route (the talker's "
+                           "positions need the media's grids, which vLLM does not return)")
+        p, n = len(prompt_token_ids), len(token_ids)
+        if n < 1 or tuple(hidden.shape[:1]) != (p + n - 1,):
+            raise BadInput(f"talker: hidden states of {list(hidden.shape)} for {p} prompt and {n} generated tokens "
+                           f"(expected [{p + n - 1}, H])")
+        dev, tk = hidden.device, self.talker
+        ids = torch.tensor(prompt_token_ids + token_ids, dtype=torch.long, device=dev)
+        emb = self.embed(ids[:p + n - 1])
+        emb[:p][torch.isin(ids[:p], torch.tensor(sorted(self.media_ids), device=dev))] = 0
+        rows = hidden.to(emb.dtype) + emb
+        bos = int(self.speakers[speaker]["bos_token"])
+        one = lambda t: self.embed(torch.tensor([t], device=dev))  # noqa: E731
+        inputs_embeds = torch.cat([rows[:p], one(bos), rows[p:p + 1]])[None]
+        reply = torch.cat([rows[p + 1:], one(tk.text_eos_token), one(tk.text_pad_token)])[None]
+        talker_ids = torch.tensor([[tk.codec_mask_token] * p + [tk.codec_pad_token, tk.codec_bos_token]], device=dev)
+        text_ids = torch.cat([ids[:p], ids.new_tensor([bos]), ids[p:p + 1]])[None]
+        mask = torch.ones(1, p + 2, dtype=torch.long, device=dev)
+        out = tk.generate(input_ids=talker_ids, input_text_ids=text_ids, thinker_reply_part=reply,
+                          inputs_embeds=inputs_embeds, attention_mask=mask, suppress_tokens=[tk.codec_bos_token], **self.generation)
+        codes = out[0, p + 2:]
+        stop = torch.isin(codes, torch.tensor(self.generation["eos_token_id"], device=dev)).nonzero()
+        return {"codes": codes[: int(stop[0]) if len(stop) else len(codes)]}
+
+
+class Code2Wav(torch.nn.Module):
+    def __init__(self, model: str, speaker: str = "Chelsie", seed: int | None = None, num_steps: int = 10,
+                 guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+        super().__init__()
+        from transformers import Qwen2_5OmniConfig
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
+
+        cfg = Qwen2_5OmniConfig.from_pretrained(model)
+        # float32, as transformers runs it (its DiT fails in bfloat16)
+        self.token2wav = _module(Qwen2_5OmniToken2WavModel, cfg.token2wav_config, _weights(model, ("token2wav.",)),
+                                 "token2wav.", torch.float32)
+        self.speakers = _speakers(model)
+        if speaker not in self.speakers:
+            raise ValueError(f"speaker {speaker!r} is not in {model}/spk_dict.pt ({', '.join(self.speakers)})")
+        self.speaker, self.seed = speaker, seed
+        self.options = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
+
+    def forward(self, codes: torch.Tensor, speaker: str | None = None) -> dict[str, Any]:
+        speaker = speaker or self.speaker
+        if speaker not in self.speakers:
+            raise BadInput(f"code2wav: unknown speaker {speaker!r} (known: {', '.join(self.speakers)})")
+        spk = self.speakers[speaker]
+        dev = next(self.token2wav.parameters()).device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            if self.seed is not None:
+                torch.manual_seed(self.seed)
+            wav = self.token2wav(codes.reshape(1, -1).long(), conditioning=spk["cond"].to(dev).float(),
+                                 reference_mel=spk["ref_mel"].to(dev).float(), **self.options)
+        return {"audio": wav.reshape(-1).float(), "sample_rate": SAMPLE_RATE}
+
+
+def talker(model: str, **kwargs: Any) -> Talker:
+    """Factory of the talker stage: model (default: the stage's), and in `engineArgs.factory_kwargs` optionally
+    speaker, dtype (default: the checkpoint's) and the generation settings (default: transformers' talker's)."""
+    return Talker(model, **kwargs)
+
+
+def code2wav(model: str, **kwargs: Any) -> Code2Wav:
+    """Factory of the code2wav stage: model (default: the stage's), and in `engineArgs.factory_kwargs`
+    optionally speaker, seed, num_steps, guidance_scale, sway_coefficient."""
+    return Code2Wav(model, **kwargs)
+
+
+def thinker_to_talker(upstream_outputs: dict[str, Any], request: Any) -> dict[str, Any]:
+    """Input processor of the talker (`whole` input): the thinker's chunks as the talker's arguments."""
+    if len(upstream_outputs) != 1:
+        raise BadInput(f"talker: one upstream stage expected, got {', '.join(upstream_outputs)}")
+    [(name, chunks)] = upstream_outputs.items()
+    prompt, generated, hidden = None, [], None
+    for c in chunks:
+        prompt = c.get("prompt_token_ids", prompt)
+        generated += c.get("token_ids") or []
+        hidden = (c.get("extra") or {}).get("hidden", hidden)
+    if prompt is None or hidden is None:
+        raise BadInput(f"talker: stage {name!r} sent no {'prompt_token_ids' if prompt is None else 'hidden states'} "
+                       "(its engineArgs need worker_extension_cls: omnifleet_runtime.engines.hidden.HiddenStatesTap)")
+    return {"prompt_token_ids": list(prompt), "token_ids": generated, "hidden": hidden}

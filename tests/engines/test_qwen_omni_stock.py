@@ -1,0 +1,162 @@
+"""Qwen2.5-Omni end to end without vLLM-Omni: stock vLLM's thinker, transformers' talker and Token2Wav.
+
+The shipped sample manifests/samples/speech.yaml, with the tiny seeded Qwen2.5-Omni (devsetup.tiny_omni,
+built with this environment's transformers) and CPU engine sizes, behind the master: the thinker an `llm`
+stage (stock vLLM) whose engine carries omnifleet's hidden-states tap (engines/hidden.py, vLLM's worker
+extension), the talker and code2wav `torch` stages (omnifleet_runtime.qwen2_5_omni, transformers' own
+modules), code2wav in the talker's pod. The oracle is transformers' one-process
+`Qwen2_5OmniForConditionalGeneration.generate` on the same checkpoint and prompt (greedy thinker and
+talker; the global generator seeded just before, so Token2Wav's noise is its first draw, as code2wav's
+seed makes it in its stage): the thinker's tokens must be equal and the audio equal sample for sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import time
+from array import array
+
+import pytest
+import yaml
+
+from fleet_harness import Fleet  # noqa: E402
+
+from omnifleet_runtime.engines.hidden import TAP  # noqa: E402
+
+from ..conftest import time_limit  # noqa: E402
+from .conftest import HEARTBEAT, HERE, engine_env, media, report, tiny_omni_path  # noqa: E402
+
+pytestmark = [pytest.mark.vllm]
+TEST_TIMEOUT_S = 900
+
+PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]  # user: "h", then the assistant's turn
+THINKER_TOKENS, TALKER_TOKENS, SEED, SPEAKER = 6, 16, 1234, "Chelsie"
+SAMPLE = HERE.parents[1] / "manifests" / "samples" / "speech.yaml"
+
+
+@pytest.fixture(autouse=True)
+def overall_timeout():
+    with time_limit(TEST_TIMEOUT_S):
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_omni() -> str:
+    return tiny_omni_path()
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_omni, tmp_path_factory, request) -> dict:
+    tmp = tmp_path_factory.mktemp("qwen-omni-hf")
+    (tmp / "request.json").write_text(json.dumps({
+        "prompt_token_ids": PROMPT, "thinker_max_new_tokens": THINKER_TOKENS,
+        "talker_max_new_tokens": TALKER_TOKENS, "speaker": SPEAKER, "seed": SEED,
+        "thinker_repetition_penalty": yaml.safe_load(SAMPLE.read_text())["spec"]["stages"][0]["samplingParams"][
+            "repetition_penalty"]}))
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, str(HERE / "qwen_omni_hf_oracle.py"), tiny_omni, str(tmp / "request.json"),
+                           str(tmp)], capture_output=True, text=True, timeout=600, env=engine_env(), cwd=tmp)
+    assert proc.returncode == 0 and (tmp / "result.json").exists(), proc.stderr[-6000:]
+    result = json.loads((tmp / "result.json").read_text())
+    result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
+    report(request.config, "qwen-omni-stock", f"oracle (transformers' generate, one process): "
+           f"{time.monotonic() - t:.1f}s; thinker tokens {result['token_ids']}, {len(result['codes'])} talker codes")
+    return result
+
+
+def doc(model: str) -> dict:
+    """The shipped sample (manifests/samples/speech.yaml) with the tiny model and what this CPU and the
+    comparison need: float32, a small context, greedy talker, code2wav seeded as the oracle's generator."""
+    d = yaml.safe_load(SAMPLE.read_text())
+    d["spec"]["model"] = model
+    d["spec"].pop("modelVolume")
+    d["spec"]["heartbeat"] = HEARTBEAT
+    thinker, talker, code2wav = d["spec"]["stages"]
+    assert thinker["engineArgs"]["worker_extension_cls"] == TAP, thinker
+    for s in (thinker, talker):
+        s["gpus"] = 0
+        s.pop("resources")
+    code2wav.pop("resources")
+    thinker["engineArgs"].update(dtype="float32", max_model_len=512, max_num_seqs=1, seed=0,
+                                 limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0})
+    thinker["engineArgs"].pop("gpu_memory_utilization")
+    thinker["samplingParams"]["max_tokens"] = THINKER_TOKENS
+    talker["engineArgs"] = {"device": "cpu", "factory_kwargs": {
+        **talker["engineArgs"]["factory_kwargs"], "dtype": "float32", "do_sample": False,
+        "max_new_tokens": TALKER_TOKENS}}
+    code2wav["engineArgs"] = {"device": "cpu", "factory_kwargs": {**code2wav["engineArgs"]["factory_kwargs"],
+                                                                  "seed": SEED}}
+    return d
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_omni, oracle, tmp_path_factory, request):
+    f = Fleet(tmp_path_factory.mktemp("qwen-omni-stock"), doc(tiny_omni))
+    f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    t = time.monotonic()
+    try:
+        f.start_master()
+        f.start_pod("thinker-0", "thinker")
+        f.start_pod("talker-0", "talker", "code2wav")  # code2wav is co-located with the talker
+        f.wait_ready(timeout=600)
+        report(request.config, "qwen-omni-stock", f"fleet of 2 pods (thinker; talker + code2wav) ready in "
+               f"{time.monotonic() - t:.1f}s")
+        yield f
+    except BaseException:
+        print(f.logs()[-30000:])
+        raise
+    finally:
+        f.stop()
+
+
+def test_text_and_audio_equal_transformers_own_generate(fleet, oracle, request):
+    """The thinker's tokens are transformers'; its hidden states on the wire make the talker's codes, and the
+    codes code2wav's audio: equal to transformers' one-process audio, sample for sample (float32)."""
+    t = time.monotonic()
+    status, body = fleet.http("POST", "/v1/completions", {
+        "model": "speech", "prompt": PROMPT, "return_token_ids": True, "modalities": ["text", "audio"]})
+    took = time.monotonic() - t
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert oracle["token_ids"] and choice["token_ids"] == oracle["token_ids"], (choice["token_ids"], oracle)
+    [chunk] = [o["data"] for o in choice.get("omni", []) if o["type"] == "audio"]
+    assert chunk["audio"]["dtype"] == "float32" and chunk["sample_rate"] == 24000, chunk
+    got = array("f", base64.b64decode(chunk["audio"]["data"]))
+    want = oracle["audio"]
+    assert oracle["codes"] and len(want) == oracle["audio_samples"] > 0
+    assert max(abs(x) for x in want) > 0, "the oracle's audio is all zeros"
+    assert len(got) == len(want), (len(got), len(want))
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert got == want, f"audio differs from transformers' by up to {worst}"
+    report(request.config, "qwen-omni-stock", f"through omnifleet (3 stages, 2 pods): {took:.2f}s; thinker tokens "
+           f"{choice['token_ids']}, {len(got)} float32 samples from {len(oracle['codes'])} talker codes, equal to "
+           f"transformers' one-process generate (largest difference {worst:.3g})")
+
+
+def test_a_prompt_with_media_is_refused_by_the_talker_naming_why(fleet):
+    """The talker's positions need the media's grids, which vLLM does not return: a 400 that says so, not a
+    wrong voice."""
+    status, body = fleet.http("POST", "/v1/chat/completions", {
+        "model": "speech", "messages": media()[0], "modalities": ["text", "audio"]})
+    assert status == 400, body
+    assert "talker" in json.dumps(body) and "image, audio or video" in json.dumps(body), body
+
+
+def test_the_tap_refuses_an_engine_that_would_skip_its_hooks(tiny_omni):
+    """Compiled forwards skip module hooks and cached prefixes are never forwarded: a thinker with the tap
+    but without enforce_eager fails at start, before its engine is made, naming both settings."""
+    from omnifleet_runtime.engines.base import EngineStartError
+    from omnifleet_runtime.engines.vllm import VllmEngine
+    from omnifleet_runtime.validate import load_pipeline
+
+    d = doc(tiny_omni)
+    d["spec"]["stages"][0]["engineArgs"].pop("enforce_eager")
+    d["spec"]["stages"][0]["model"] = tiny_omni  # (a pod's config gives each stage the pipeline's model)
+    engine = VllmEngine(load_pipeline(d).spec.stage("thinker"), "thinker-0")
+    with pytest.raises(EngineStartError, match="enforce_eager: true and enable_prefix_caching: false"):
+        asyncio.run(engine.start())
+    assert engine.engine is None
