@@ -17,7 +17,8 @@ talker the thinker's token embeddings) from the checkpoint's safetensors, and th
 
 Not covered: prompts with image, audio or video. The talker's positions (3-D mRoPE) then need the media's
 grids and audio lengths, which vLLM does not return; such a request is refused (400 naming the stage).
-Code2wav draws its noise from torch's generator: `seed` (a factory argument) makes it reproducible.
+Code2wav draws its noise from torch's generator: `seed` (a factory argument) makes it reproducible. The
+speaker is the factories' `speaker`, or a request's voice (matched in any case against `spk_dict.pt`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def _speakers(model: str) -> dict[str, dict[str, Any]]:
     return torch.load(Path(model) / "spk_dict.pt", map_location="cpu", weights_only=True)
 
 
+def _known(speakers: dict[str, Any], speaker: str, model: str) -> None:
+    if speaker not in speakers:
+        raise ValueError(f"speaker {speaker!r} is not in {model}/spk_dict.pt ({', '.join(speakers)})")
+
+
+def _speaker(speakers: dict[str, Any], name: str, stage: str) -> str:
+    """The speaker's name as spk_dict.pt spells it (a request's voice in any case)."""
+    found = {k.lower(): k for k in speakers}.get(str(name).lower())
+    if found is None:
+        raise BadInput(f"{stage}: unknown voice {str(name)[:64]!r} (this model speaks as {', '.join(speakers)})")
+    return found
+
+
 class Talker(torch.nn.Module):
     def __init__(self, model: str, speaker: str = "Chelsie", dtype: str = "auto", max_new_tokens: int = 4096,
                  do_sample: bool = True, top_k: int = 40, top_p: float = 0.8, temperature: float = 0.9,
@@ -78,8 +92,7 @@ class Talker(torch.nn.Module):
         self.talker = _module(Qwen2_5OmniTalkerForConditionalGeneration, cfg.talker_config, weights, "talker.", dt)
         self.embed = torch.nn.Embedding.from_pretrained(weights["thinker.model.embed_tokens.weight"].to(dt))
         self.speakers = _speakers(model)
-        if speaker not in self.speakers:
-            raise ValueError(f"speaker {speaker!r} is not in {model}/spk_dict.pt ({', '.join(self.speakers)})")
+        _known(self.speakers, speaker, model)
         self.speaker = speaker
         tc = cfg.thinker_config
         self.media_ids = {tc.audio_token_index, tc.image_token_index, tc.video_token_index}
@@ -88,10 +101,8 @@ class Talker(torch.nn.Module):
                                eos_token_id=list(eos_token_id))
 
     def forward(self, prompt_token_ids: list[int], token_ids: list[int], hidden: torch.Tensor,
-                speaker: str | None = None) -> dict[str, torch.Tensor]:
-        speaker = speaker or self.speaker
-        if speaker not in self.speakers:
-            raise BadInput(f"talker: unknown speaker {speaker!r} (known: {', '.join(self.speakers)})")
+                speaker: str | None = None) -> dict[str, Any]:
+        speaker = _speaker(self.speakers, speaker or self.speaker, "talker")
         if self.media_ids & set(prompt_token_ids):
             raise BadInput("talker: prompts with image, audio or video are not supported on this route (the talker's "
                            "positions need the media's grids, which vLLM does not return)")
@@ -112,10 +123,11 @@ class Talker(torch.nn.Module):
         text_ids = torch.cat([ids[:p], ids.new_tensor([bos]), ids[p:p + 1]])[None]
         mask = torch.ones(1, p + 2, dtype=torch.long, device=dev)
         out = tk.generate(input_ids=talker_ids, input_text_ids=text_ids, thinker_reply_part=reply,
-                          inputs_embeds=inputs_embeds, attention_mask=mask, suppress_tokens=[tk.codec_bos_token], **self.generation)
+                          inputs_embeds=inputs_embeds, attention_mask=mask, suppress_tokens=[tk.codec_bos_token],
+                          **self.generation)
         codes = out[0, p + 2:]
         stop = torch.isin(codes, torch.tensor(self.generation["eos_token_id"], device=dev)).nonzero()
-        return {"codes": codes[: int(stop[0]) if len(stop) else len(codes)]}
+        return {"codes": codes[: int(stop[0]) if len(stop) else len(codes)], "speaker": speaker}
 
 
 class Code2Wav(torch.nn.Module):
@@ -130,16 +142,12 @@ class Code2Wav(torch.nn.Module):
         self.token2wav = _module(Qwen2_5OmniToken2WavModel, cfg.token2wav_config, _weights(model, ("token2wav.",)),
                                  "token2wav.", torch.float32)
         self.speakers = _speakers(model)
-        if speaker not in self.speakers:
-            raise ValueError(f"speaker {speaker!r} is not in {model}/spk_dict.pt ({', '.join(self.speakers)})")
+        _known(self.speakers, speaker, model)
         self.speaker, self.seed = speaker, seed
         self.options = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
 
     def forward(self, codes: torch.Tensor, speaker: str | None = None) -> dict[str, Any]:
-        speaker = speaker or self.speaker
-        if speaker not in self.speakers:
-            raise BadInput(f"code2wav: unknown speaker {speaker!r} (known: {', '.join(self.speakers)})")
-        spk = self.speakers[speaker]
+        spk = self.speakers[_speaker(self.speakers, speaker or self.speaker, "code2wav")]
         dev = next(self.token2wav.parameters()).device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             if self.seed is not None:
@@ -162,7 +170,8 @@ def code2wav(model: str, **kwargs: Any) -> Code2Wav:
 
 
 def thinker_to_talker(upstream_outputs: dict[str, Any], request: Any) -> dict[str, Any]:
-    """Input processor of the talker (`whole` input): the thinker's chunks as the talker's arguments."""
+    """Input processor of the talker (`whole` input): the thinker's chunks as the talker's arguments, and the
+    request's voice (chat's `audio.voice`, speech's `voice`) as its speaker, which it hands on to code2wav."""
     if len(upstream_outputs) != 1:
         raise BadInput(f"talker: one upstream stage expected, got {', '.join(upstream_outputs)}")
     [(name, chunks)] = upstream_outputs.items()
@@ -174,4 +183,10 @@ def thinker_to_talker(upstream_outputs: dict[str, Any], request: Any) -> dict[st
     if prompt is None or hidden is None:
         raise BadInput(f"talker: stage {name!r} sent no {'prompt_token_ids' if prompt is None else 'hidden states'} "
                        "(its engineArgs need worker_extension_cls: omnifleet_runtime.engines.hidden.HiddenStatesTap)")
-    return {"prompt_token_ids": list(prompt), "token_ids": generated, "hidden": hidden}
+    item = {"prompt_token_ids": list(prompt), "token_ids": generated, "hidden": hidden}
+    extra = getattr(request, "extra", None) or {}
+    audio = extra.get("audio")
+    voice = (audio.get("voice") if isinstance(audio, dict) else None) or extra.get("voice")
+    if voice:
+        item["speaker"] = voice
+    return item

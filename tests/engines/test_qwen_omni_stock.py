@@ -146,6 +146,19 @@ def test_a_prompt_with_media_is_refused_by_the_talker_naming_why(fleet):
     assert "talker" in json.dumps(body) and "image, audio or video" in json.dumps(body), body
 
 
+def test_the_voice_of_a_chat_request_picks_the_speaker(fleet):
+    """chat's `audio.voice` reaches the talker (and code2wav) as its speaker, in any case; a voice the model
+    does not have is a 400 naming the ones it has."""
+    body = {"model": "speech", "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
+    status, ok = fleet.http("POST", "/v1/chat/completions", {**body, "audio": {"voice": "ethan", "format": "pcm16"}})
+    assert status == 200, ok
+    assert len(base64.b64decode(ok["choices"][0]["message"]["audio"]["data"])) == 2 * 480 * TALKER_TOKENS
+    status, refused = fleet.http("POST", "/v1/chat/completions",
+                                 {**body, "audio": {"voice": "alloy", "format": "pcm16"}})
+    assert status == 400, refused
+    assert "unknown voice 'alloy' (this model speaks as Chelsie, Ethan)" in json.dumps(refused), refused
+
+
 def test_the_tap_refuses_an_engine_that_would_skip_its_hooks(tiny_omni):
     """Compiled forwards skip module hooks and cached prefixes are never forwarded: a thinker with the tap
     but without enforce_eager fails at start, before its engine is made, naming both settings."""
@@ -160,3 +173,46 @@ def test_the_tap_refuses_an_engine_that_would_skip_its_hooks(tiny_omni):
     with pytest.raises(EngineStartError, match="enforce_eager: true and enable_prefix_caching: false"):
         asyncio.run(engine.start())
     assert engine.engine is None
+
+
+def test_the_tap_gives_each_request_of_a_batch_its_own_rows(tiny_omni, monkeypatch):
+    """Two prompts of different lengths in one engine at once (vLLM batches them into the same steps): each
+    request's hidden states are the ones it gets alone, row for row."""
+    import numpy as np
+
+    from omnifleet_runtime.engines.vllm import VllmEngine
+    from omnifleet_runtime.validate import load_pipeline
+
+    d = doc(tiny_omni)
+    d["spec"]["stages"] = d["spec"]["stages"][:1]
+    d["spec"]["stages"][0].update(model=tiny_omni)
+    # Beside the fleet's engine (when the module runs): a share of the memory still free (vLLM's CPU backend
+    # reserves gpu_memory_utilization of it), and the fleet's KV cache size.
+    d["spec"]["stages"][0]["engineArgs"].update(max_num_seqs=4, gpu_memory_utilization=0.3,
+                                                limit_mm_per_prompt={"image": 0, "audio": 0, "video": 0})
+    for k, v in engine_env().items():
+        monkeypatch.setenv(k, v)
+    prompts = [PROMPT, PROMPT[:3] + [9707, 11, 1879, 33, 44] + PROMPT[4:]]
+    tokens = [5, 9]
+
+    async def run(engine: VllmEngine, which: list[int]) -> list[tuple[list[int], np.ndarray]]:
+        async def one(i: int) -> tuple[list[int], np.ndarray]:
+            chunks = [c async for c in engine.generate_one(prompts[i], {"max_tokens": tokens[i], "temperature": 0.0},
+                                                           f"r{i}")]
+            h = chunks[-1]["extra"]["hidden"]
+            return [t for c in chunks for t in c["token_ids"]], np.frombuffer(h.data, np.float32).reshape(h.shape)
+        return await asyncio.gather(*(one(i) for i in which))
+
+    async def main() -> tuple[list, list]:
+        engine = VllmEngine(load_pipeline(d).spec.stage("thinker"), "thinker-0")
+        await engine.start()
+        try:
+            return await run(engine, [0, 1]), [(await run(engine, [i]))[0] for i in (0, 1)]
+        finally:
+            await engine.shutdown()
+
+    together, alone = asyncio.run(main())
+    for i, ((ids, rows), (ids_alone, rows_alone)) in enumerate(zip(together, alone)):
+        assert len(ids) == tokens[i] and ids == ids_alone
+        assert rows.shape == (len(prompts[i]) + tokens[i] - 1, 128), rows.shape
+        assert np.array_equal(rows, rows_alone), f"request {i}: rows differ by up to {np.abs(rows - rows_alone).max()}"

@@ -57,7 +57,7 @@ class TorchEngine(Engine):
         self.device = self.args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         factory = load_callable(self.stage.entrypoint)
         kwargs = dict(self.args.get("factory_kwargs", {}))
-        if "model" not in kwargs and "model" in inspect.signature(factory).parameters and self.stage.model:
+        if "model" not in kwargs and self.stage.model and "model" in _parameters(factory):
             from .vllm import expand_model  # imports nothing of vLLM's
 
             kwargs["model"] = expand_model(self.stage)
@@ -189,3 +189,10 @@ class TorchEngine(Engine):
                 torch.cuda.empty_cache()
             return {"ok": True}
         raise ValueError(f"unsupported control method {method!r} for a torch stage")
+
+
+def _parameters(fn: Any) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a callable whose signature Python cannot tell (a builtin)
+        return set()
