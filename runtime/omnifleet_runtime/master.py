@@ -30,6 +30,9 @@ from .schema import OmniPipeline
 from .turns import StallWatch, Turns
 
 DRAIN_POLLS = 1000  # about a second of reading before a closed connection is acted on
+# A closed connection leaves the ROUTER's routing table a few command round trips between libzmq's I/O
+# thread and this one after its DISCONNECTED event: probe again until it has (bounded; heartbeats remain).
+REPROBE_DELAYS_S = (0.0, 0.002, 0.01, 0.05, 0.2, 1.0)
 REVISION_MAX_CHARS = 64  # a stage name or revision hash in a Register's revisions
 ANSWER_GRACE_S = 1.0  # for the handlers of requests ended at the drain deadline to write their answers
 
@@ -259,9 +262,13 @@ class Master:
                 if not self.sock.events() & zmq.POLLIN:
                     break
                 await asyncio.sleep(0.001)
-            self._drop_unroutable()
+            for delay in REPROBE_DELAYS_S:
+                await asyncio.sleep(delay)
+                self.sock.events()  # runs libzmq's pending commands: the closing pipe's among them
+                if self._drop_unroutable():
+                    break  # one event, one connection
 
-    def _drop_unroutable(self) -> None:
+    def _drop_unroutable(self) -> int:
         # The event names a file descriptor, not a replica: probe them all.
         # With ROUTER_MANDATORY a send to an identity whose connection is gone
         # fails with EHOSTUNREACH (only here: elsewhere unknown peers are dropped).
@@ -286,6 +293,7 @@ class Master:
                 log.warning("replica %s lost: its connection closed", rep)
                 self.metrics.replica_losses.inc(stage=rep.stage)
                 self.orch.on_replica_lost(rep, "was lost")
+        return len(gone)
 
     # ------------------------------------------------------------ run
 
