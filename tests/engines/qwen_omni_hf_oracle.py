@@ -5,8 +5,10 @@ Token2Wav in one call), greedy thinker and talker, the global generator seeded j
 
 REQUEST.json: {"prompt_token_ids", "thinker_max_new_tokens", "thinker_repetition_penalty", "talker_max_new_tokens",
 "speaker", "seed"}.
-Writes OUT_DIR/result.json ({"token_ids", "codes", "audio_samples"}; codes are what the talker handed
-Token2Wav, read by wrapping its generate) and OUT_DIR/audio.f32 (float32 samples).
+Writes OUT_DIR/result.json ({"token_ids", "codes", "audio_samples", "hidden_shape"}; codes are what the
+talker handed Token2Wav, read by wrapping its generate), OUT_DIR/audio.f32 (float32 samples) and
+OUT_DIR/hidden.f32 (the thinker's last hidden states, after its final norm, at the prompt's and the generated
+tokens' positions but the last: what the talker is given).
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ def main() -> None:
     codes = codes[0, offset:]
     stop = ((codes == 8292) | (codes == 8294)).nonzero()
     codes = codes[: int(stop[0]) if len(stop) else len(codes)]
+    with torch.inference_mode():
+        hidden = m.thinker.model(input_ids=seq[:, :-1]).last_hidden_state[0].float().contiguous()
     wav = wav.reshape(-1).float().contiguous()
     (out / "audio.f32").write_bytes(wav.numpy().tobytes())
+    (out / "hidden.f32").write_bytes(hidden.numpy().tobytes())
     (out / "result.json").write_text(json.dumps({"token_ids": seq[0, ids.shape[1]:].tolist(), "codes": codes.tolist(),
-                                                 "audio_samples": int(wav.numel())}))
+                                                 "audio_samples": int(wav.numel()), "hidden_shape": list(hidden.shape)}))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ TEST_TIMEOUT_S = 900
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]  # user: "h", then the assistant's turn
 THINKER_TOKENS, TALKER_TOKENS, SEED, SPEAKER = 6, 16, 1234, "Chelsie"
 SAMPLE = HERE.parents[1] / "manifests" / "samples" / "speech.yaml"
+REPETITION_PENALTY = yaml.safe_load(SAMPLE.read_text())["spec"]["stages"][0]["samplingParams"]["repetition_penalty"]
+REQUEST_TIMEOUT_S = 300  # a whole answer: thinker, talker and Token2Wav on a loaded 2-core CPU
+HIDDEN_TOLERANCE = 1e-4  # float32 on both sides; vLLM's CPU kernels sum in another order than torch's
 
 
 @pytest.fixture(autouse=True)
@@ -55,14 +58,14 @@ def oracle(tiny_omni, tmp_path_factory, request) -> dict:
     (tmp / "request.json").write_text(json.dumps({
         "prompt_token_ids": PROMPT, "thinker_max_new_tokens": THINKER_TOKENS,
         "talker_max_new_tokens": TALKER_TOKENS, "speaker": SPEAKER, "seed": SEED,
-        "thinker_repetition_penalty": yaml.safe_load(SAMPLE.read_text())["spec"]["stages"][0]["samplingParams"][
-            "repetition_penalty"]}))
+        "thinker_repetition_penalty": REPETITION_PENALTY}))
     t = time.monotonic()
     proc = subprocess.run([sys.executable, str(HERE / "qwen_omni_hf_oracle.py"), tiny_omni, str(tmp / "request.json"),
                            str(tmp)], capture_output=True, text=True, timeout=600, env=engine_env(), cwd=tmp)
     assert proc.returncode == 0 and (tmp / "result.json").exists(), proc.stderr[-6000:]
     result = json.loads((tmp / "result.json").read_text())
     result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
+    result["hidden"] = array("f", (tmp / "hidden.f32").read_bytes())
     report(request.config, "qwen-omni-stock", f"oracle (transformers' generate, one process): "
            f"{time.monotonic() - t:.1f}s; thinker tokens {result['token_ids']}, {len(result['codes'])} talker codes")
     return result
@@ -118,7 +121,8 @@ def test_text_and_audio_equal_transformers_own_generate(fleet, oracle, request):
     codes code2wav's audio: equal to transformers' one-process audio, sample for sample (float32)."""
     t = time.monotonic()
     status, body = fleet.http("POST", "/v1/completions", {
-        "model": "speech", "prompt": PROMPT, "return_token_ids": True, "modalities": ["text", "audio"]})
+        "model": "speech", "prompt": PROMPT, "return_token_ids": True, "modalities": ["text", "audio"]},
+        timeout=REQUEST_TIMEOUT_S)
     took = time.monotonic() - t
     assert status == 200, body
     choice = body["choices"][0]
@@ -150,7 +154,8 @@ def test_the_voice_of_a_chat_request_picks_the_speaker(fleet):
     """chat's `audio.voice` reaches the talker (and code2wav) as its speaker, in any case; a voice the model
     does not have is a 400 naming the ones it has."""
     body = {"model": "speech", "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
-    status, ok = fleet.http("POST", "/v1/chat/completions", {**body, "audio": {"voice": "ethan", "format": "pcm16"}})
+    status, ok = fleet.http("POST", "/v1/chat/completions", {**body, "audio": {"voice": "ethan", "format": "pcm16"}},
+                            timeout=REQUEST_TIMEOUT_S)
     assert status == 200, ok
     assert len(base64.b64decode(ok["choices"][0]["message"]["audio"]["data"])) == 2 * 480 * TALKER_TOKENS
     status, refused = fleet.http("POST", "/v1/chat/completions",
@@ -175,9 +180,11 @@ def test_the_tap_refuses_an_engine_that_would_skip_its_hooks(tiny_omni):
     assert engine.engine is None
 
 
-def test_the_tap_gives_each_request_of_a_batch_its_own_rows(tiny_omni, monkeypatch):
+def test_the_tap_gives_each_request_of_a_batch_its_own_rows_and_they_are_transformers(tiny_omni, oracle, monkeypatch,
+                                                                                      request):
     """Two prompts of different lengths in one engine at once (vLLM batches them into the same steps): each
-    request's hidden states are the ones it gets alone, row for row."""
+    request's hidden states are the ones it gets alone, row for row. The sample's prompt alone gets the hidden
+    states transformers' thinker computes for the same tokens (what the oracle's talker was given)."""
     import numpy as np
 
     from omnifleet_runtime.engines.vllm import VllmEngine
@@ -193,12 +200,12 @@ def test_the_tap_gives_each_request_of_a_batch_its_own_rows(tiny_omni, monkeypat
     for k, v in engine_env().items():
         monkeypatch.setenv(k, v)
     prompts = [PROMPT, PROMPT[:3] + [9707, 11, 1879, 33, 44] + PROMPT[4:]]
-    tokens = [5, 9]
+    tokens = [THINKER_TOKENS, 9]
+    sampling = {"temperature": 0.0, "repetition_penalty": REPETITION_PENALTY}  # the oracle's tokens
 
     async def run(engine: VllmEngine, which: list[int]) -> list[tuple[list[int], np.ndarray]]:
         async def one(i: int) -> tuple[list[int], np.ndarray]:
-            chunks = [c async for c in engine.generate_one(prompts[i], {"max_tokens": tokens[i], "temperature": 0.0},
-                                                           f"r{i}")]
+            chunks = [c async for c in engine.generate_one(prompts[i], {**sampling, "max_tokens": tokens[i]}, f"r{i}")]
             h = chunks[-1]["extra"]["hidden"]
             return [t for c in chunks for t in c["token_ids"]], np.frombuffer(h.data, np.float32).reshape(h.shape)
         return await asyncio.gather(*(one(i) for i in which))
@@ -216,3 +223,10 @@ def test_the_tap_gives_each_request_of_a_batch_its_own_rows(tiny_omni, monkeypat
         assert len(ids) == tokens[i] and ids == ids_alone
         assert rows.shape == (len(prompts[i]) + tokens[i] - 1, 128), rows.shape
         assert np.array_equal(rows, rows_alone), f"request {i}: rows differ by up to {np.abs(rows - rows_alone).max()}"
+
+    (ids, rows), want = alone[0], np.asarray(oracle["hidden"], np.float32).reshape(oracle["hidden_shape"])
+    assert ids == oracle["token_ids"] and rows.shape == want.shape, (ids, oracle["token_ids"], rows.shape, want.shape)
+    worst = float(np.abs(rows - want).max())
+    assert worst <= HIDDEN_TOLERANCE, f"the tap's hidden states differ from transformers' by up to {worst}"
+    report(request.config, "qwen-omni-stock", f"the tap's hidden states {list(rows.shape)} against transformers' "
+           f"thinker on the same tokens: largest difference {worst:.3g} (bound {HIDDEN_TOLERANCE:g})")

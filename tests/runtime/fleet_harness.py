@@ -222,13 +222,13 @@ class Fleet:
     # ---- HTTP
 
     def http(self, method: str, path: str, body: Any = None, port: int | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, Any]:
+             headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, Any]:
         url = f"http://127.0.0.1:{port or self.api_port}{path}"
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(url, data=data, method=method,
                                      headers={"Content-Type": "application/json", **(headers or {})})
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw, status, ctype = resp.read(), resp.status, resp.headers.get("Content-Type", "")
         except urllib.error.HTTPError as e:
             raw, status, ctype = e.read(), e.code, e.headers.get("Content-Type", "")
