@@ -219,6 +219,9 @@ class StageWorker:
         self.engine: Engine | None = None
         self.jobs: dict[tuple[str, int], Job] = {}
         self.pending: OrderedDict[tuple[str, int], list[tuple[float, wire.Data]]] = OrderedDict()
+        # Requests that ended here (done, failed, aborted): their late data is dropped at once, not held
+        # as early data for PENDING_TTL_S (with its shared-memory regions).
+        self.ended: OrderedDict[tuple[str, int], float] = OrderedDict()
         self.peers: OrderedDict[str, Link] = OrderedDict()
         self.shm_prefix = shm.pod_prefix(replica)
         self.bytes = {"tcp": 0, "shm": 0, "cuda_ipc": 0, "master": 0}
@@ -594,7 +597,9 @@ class StageWorker:
                 log.warning("ignored Abort of %s from a master that did not dispatch it", msg.request_id)
                 return
             self._drop_pending(self.pending.pop((msg.request_id, msg.attempt), []))
-            if job is not None and job.task is not None:
+            if job is None:
+                self._ended((msg.request_id, msg.attempt))
+            elif job.task is not None:
                 job.task.cancel()
         elif isinstance(msg, wire.Control):
             task = asyncio.get_running_loop().create_task(self._control(msg, session))
@@ -623,6 +628,12 @@ class StageWorker:
         for job in list(self.jobs.values()):
             if job.session is session and job.task is not None:
                 job.task.cancel()
+
+    def _ended(self, key: tuple[str, int]) -> None:
+        self.ended[key] = time.monotonic()
+        self.ended.move_to_end(key)
+        if len(self.ended) > PENDING_MAX:
+            self.ended.popitem(last=False)
 
     def _abort_all(self) -> None:
         for job in list(self.jobs.values()):
@@ -783,6 +794,7 @@ class StageWorker:
                 await self.engine.abort(msg.request_id)
         finally:
             self.jobs.pop(job.key, None)
+            self._ended(job.key)
             for held in job.early.values():  # chunks whose predecessors never came
                 self._discard(held.payload)
             self._observe(job, outcome)
@@ -964,6 +976,8 @@ class StageWorker:
         job = self.jobs.get((msg.request_id, msg.attempt))
         if job is not None:
             self._feed(job, msg)
+        elif (msg.request_id, msg.attempt) in self.ended:  # in flight when the request ended here
+            self._discard(msg.payload)
         else:  # its Dispatch has not arrived yet (it travels another way)
             self.pending.setdefault((msg.request_id, msg.attempt), []).append((time.monotonic(), msg))
             if len(self.pending) > PENDING_MAX:
@@ -977,6 +991,8 @@ class StageWorker:
             cutoff = time.monotonic() - PENDING_TTL_S
             for key in [k for k, v in self.pending.items() if v[0][0] < cutoff]:
                 self._drop_pending(self.pending.pop(key))
+            while self.ended and next(iter(self.ended.values())) < cutoff:
+                self.ended.popitem(last=False)
             if n := self.assembler.expire():
                 log.warning("dropped %d data message(s) whose striped parts stopped coming", n)
             if n := shm.sweep(self.shm_prefix, older_than_s=SHM_LEFTOVER_AGE_S):
