@@ -15,28 +15,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import subprocess
-import sys
 import time
 from array import array
 
 import pytest
-import yaml
 
 from fleet_harness import Fleet  # noqa: E402
 
-from omnifleet_runtime.engines.hidden import TAP  # noqa: E402
-
 from ..conftest import time_limit  # noqa: E402
-from .conftest import HEARTBEAT, HERE, engine_env, media, report, tiny_omni_path  # noqa: E402
+from .conftest import HEARTBEAT, engine_env, media, report, tiny_omni_path  # noqa: E402
+from .qwen_omni_twin import PROMPT, REPETITION_PENALTY, TALKER_TOKENS, THINKER_TOKENS, twin  # noqa: E402
+from .qwen_omni_twin import oracle as twin_oracle  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 TEST_TIMEOUT_S = 900
 
-PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]  # user: "h", then the assistant's turn
-THINKER_TOKENS, TALKER_TOKENS, SEED, SPEAKER = 6, 16, 1234, "Chelsie"
-SAMPLE = HERE.parents[1] / "manifests" / "samples" / "speech.yaml"
-REPETITION_PENALTY = yaml.safe_load(SAMPLE.read_text())["spec"]["stages"][0]["samplingParams"]["repetition_penalty"]
 REQUEST_TIMEOUT_S = 300  # a whole answer: thinker, talker and Token2Wav on a loaded 2-core CPU
 HIDDEN_TOLERANCE = 1e-4  # float32 on both sides; vLLM's CPU kernels sum in another order than torch's
 
@@ -54,46 +47,15 @@ def tiny_omni() -> str:
 
 @pytest.fixture(scope="module")
 def oracle(tiny_omni, tmp_path_factory, request) -> dict:
-    tmp = tmp_path_factory.mktemp("qwen-omni-hf")
-    (tmp / "request.json").write_text(json.dumps({
-        "prompt_token_ids": PROMPT, "thinker_max_new_tokens": THINKER_TOKENS,
-        "talker_max_new_tokens": TALKER_TOKENS, "speaker": SPEAKER, "seed": SEED,
-        "thinker_repetition_penalty": REPETITION_PENALTY}))
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, str(HERE / "qwen_omni_hf_oracle.py"), tiny_omni, str(tmp / "request.json"),
-                           str(tmp)], capture_output=True, text=True, timeout=600, env=engine_env(), cwd=tmp)
-    assert proc.returncode == 0 and (tmp / "result.json").exists(), proc.stderr[-6000:]
-    result = json.loads((tmp / "result.json").read_text())
-    result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
-    result["hidden"] = array("f", (tmp / "hidden.f32").read_bytes())
+    result = twin_oracle(tiny_omni, tmp_path_factory.mktemp("qwen-omni-hf"), engine_env())
     report(request.config, "qwen-omni-stock", f"oracle (transformers' generate, one process): "
            f"{time.monotonic() - t:.1f}s; thinker tokens {result['token_ids']}, {len(result['codes'])} talker codes")
     return result
 
 
 def doc(model: str) -> dict:
-    """The shipped sample (manifests/samples/speech.yaml) with the tiny model and what this CPU and the
-    comparison need: float32, a small context, greedy talker, code2wav seeded as the oracle's generator."""
-    d = yaml.safe_load(SAMPLE.read_text())
-    d["spec"]["model"] = model
-    d["spec"].pop("modelVolume")
-    d["spec"]["heartbeat"] = HEARTBEAT
-    thinker, talker, code2wav = d["spec"]["stages"]
-    assert thinker["engineArgs"]["worker_extension_cls"] == TAP, thinker
-    for s in (thinker, talker):
-        s["gpus"] = 0
-        s.pop("resources")
-    code2wav.pop("resources")
-    thinker["engineArgs"].update(dtype="float32", max_model_len=512, max_num_seqs=1, seed=0,
-                                 limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0})
-    thinker["engineArgs"].pop("gpu_memory_utilization")
-    thinker["samplingParams"]["max_tokens"] = THINKER_TOKENS
-    talker["engineArgs"] = {"device": "cpu", "factory_kwargs": {
-        **talker["engineArgs"]["factory_kwargs"], "dtype": "float32", "do_sample": False,
-        "max_new_tokens": TALKER_TOKENS}}
-    code2wav["engineArgs"] = {"device": "cpu", "factory_kwargs": {**code2wav["engineArgs"]["factory_kwargs"],
-                                                                  "seed": SEED}}
-    return d
+    return twin(model, HEARTBEAT)
 
 
 @pytest.fixture(scope="module")
