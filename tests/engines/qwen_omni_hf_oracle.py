@@ -50,8 +50,9 @@ def main() -> None:
     wav = wav.reshape(-1).float().contiguous()
     (out / "audio.f32").write_bytes(wav.numpy().tobytes())
     (out / "hidden.f32").write_bytes(hidden.numpy().tobytes())
-    (out / "result.json").write_text(json.dumps({"token_ids": seq[0, ids.shape[1]:].tolist(), "codes": codes.tolist(),
-                                                 "audio_samples": int(wav.numel()), "hidden_shape": list(hidden.shape)}))
+    (out / "result.json").write_text(json.dumps({
+        "token_ids": seq[0, ids.shape[1]:].tolist(), "codes": codes.tolist(), "audio_samples": int(wav.numel()),
+        "hidden_shape": list(hidden.shape)}))
 
 
 if __name__ == "__main__":
