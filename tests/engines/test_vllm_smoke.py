@@ -82,8 +82,16 @@ def report(config: pytest.Config, msg: str) -> None:
 
 
 def descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())}
+    """Live descendants: an earlier test's child that exited but is not reaped yet is a zombie, no engine."""
+    pids = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" in " ".join(p.cmdline()):
+                continue
+        except psutil.Error:  # gone, or became a zombie, between the listing and the read
+            continue
+        pids.add(p.pid)
+    return pids
 
 
 def leftovers(pids: set[int], timeout: float = 15.0) -> list[str]:
