@@ -17,7 +17,7 @@ from omnifleet_runtime import constants as C
 from omnifleet_runtime.devsetup.tiny_model import readable_by_all
 
 from ..engines.conftest import engine_env, tiny_omni_path
-from ..engines.qwen_omni_twin import PROMPT, oracle, twin
+from ..engines.qwen_omni_twin import PROMPT, SAMPLE, oracle, twin
 from .conftest import PSA_RESTRICTED, REPO, describe_failure, make_namespace, model_claim, wait_ready
 
 PYTHON_CODE = REPO / "manifests" / "samples" / "python-code"
@@ -49,8 +49,7 @@ def speech_on_pods(model: str) -> dict:
     tiny checkpoint), one replica each and small CPU requests and memory limits in place of the GPU sizes (one
     2-core node), no downloads."""
     d = twin("/models", {"timeoutSeconds": 10})
-    d["spec"]["modelVolume"] = yaml.safe_load((REPO / "manifests" / "samples" / "speech.yaml").read_text())[
-        "spec"]["modelVolume"]
+    d["spec"]["modelVolume"] = yaml.safe_load(SAMPLE.read_text())["spec"]["modelVolume"]
     offline = {"name": "HF_HUB_OFFLINE", "value": "1"}
     for s in d["spec"]["stages"]:
         s["env"] = [offline]
