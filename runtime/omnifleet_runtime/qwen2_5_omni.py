@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .engines.base import BadInput
+from .processors import collect
 
 SAMPLE_RATE = 24000  # Token2Wav's output rate
 
@@ -175,15 +176,16 @@ def thinker_to_talker(upstream_outputs: dict[str, Any], request: Any) -> dict[st
     if len(upstream_outputs) != 1:
         raise BadInput(f"talker: one upstream stage expected, got {', '.join(upstream_outputs)}")
     [(name, chunks)] = upstream_outputs.items()
-    prompt, generated, hidden = None, [], None
-    for c in chunks:
-        prompt = c.get("prompt_token_ids", prompt)
-        generated += c.get("token_ids") or []
-        hidden = (c.get("extra") or {}).get("hidden", hidden)
-    if prompt is None or hidden is None:
+    try:
+        got = collect(chunks)
+    except ValueError as e:
+        raise BadInput(f"talker: stage {name!r}: {e}") from None
+    prompt = got["prompt_token_ids"]
+    hidden = [h for h in got["extra"].get("hidden", []) if h is not None]  # the tap puts it on the last chunk
+    if prompt is None or not hidden:
         raise BadInput(f"talker: stage {name!r} sent no {'prompt_token_ids' if prompt is None else 'hidden states'} "
                        "(its engineArgs need worker_extension_cls: omnifleet_runtime.engines.hidden.HiddenStatesTap)")
-    item = {"prompt_token_ids": list(prompt), "token_ids": generated, "hidden": hidden}
+    item = {"prompt_token_ids": prompt, "token_ids": got["token_ids"], "hidden": hidden[-1]}
     extra = getattr(request, "extra", None) or {}
     audio = extra.get("audio")
     voice = (audio.get("voice") if isinstance(audio, dict) else None) or extra.get("voice")
