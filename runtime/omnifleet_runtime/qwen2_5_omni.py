@@ -15,9 +15,9 @@ token's row, then the text end and pad embeddings. Each factory reads only its o
 talker the thinker's token embeddings) from the checkpoint's safetensors, and the speakers from its
 `spk_dict.pt` (read as tensors only, `weights_only`).
 
-Not covered: prompts with image, audio or video. The talker's positions (3-D mRoPE) then need the media's
-grids and audio lengths, which vLLM does not return; such a request is refused (400 naming the stage).
-Code2wav draws its noise from torch's generator: `seed` (a factory argument) makes it reproducible. The
+A prompt with image, audio or video: the prompt rows at the media's placeholders are the hidden states
+alone (their embeddings zeroed), and the talker runs on plain sequence positions, as transformers' generate
+runs it (no grids or audio lengths reach the talker there). Code2wav draws its noise from torch's generator: `seed` (a factory argument) makes it reproducible. The
 speaker is the factories' `speaker`, or a request's voice (matched in any case against `spk_dict.pt`).
 """
 
@@ -104,9 +104,6 @@ class Talker(torch.nn.Module):
     def forward(self, prompt_token_ids: list[int], token_ids: list[int], hidden: torch.Tensor,
                 speaker: str | None = None) -> dict[str, Any]:
         speaker = _speaker(self.speakers, speaker or self.speaker, "talker")
-        if self.media_ids & set(prompt_token_ids):
-            raise BadInput("talker: prompts with image, audio or video are not supported on this route (the talker's "
-                           "positions need the media's grids, which vLLM does not return)")
         p, n = len(prompt_token_ids), len(token_ids)
         if n < 1 or tuple(hidden.shape[:1]) != (p + n - 1,):
             raise BadInput(f"talker: hidden states of {list(hidden.shape)} for {p} prompt and {n} generated tokens "
@@ -123,6 +120,8 @@ class Talker(torch.nn.Module):
         talker_ids = torch.tensor([[tk.codec_mask_token] * p + [tk.codec_pad_token, tk.codec_bos_token]], device=dev)
         text_ids = torch.cat([ids[:p], ids.new_tensor([bos]), ids[p:p + 1]])[None]
         mask = torch.ones(1, p + 2, dtype=torch.long, device=dev)
+        # A prompt with media takes nothing more: transformers' generate runs its talker on plain sequence
+        # positions (no grids or audio lengths reach it), as vLLM-Omni's pipeline does (its talker gets no media).
         out = tk.generate(input_ids=talker_ids, input_text_ids=text_ids, thinker_reply_part=reply,
                           inputs_embeds=inputs_embeds, attention_mask=mask, suppress_tokens=[tk.codec_bos_token],
                           **self.generation)

@@ -51,11 +51,13 @@ def twin(model: str, heartbeat: dict[str, float]) -> dict[str, Any]:
     return d
 
 
-def oracle(model: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
-    """transformers' one-process answer to PROMPT: {token_ids, codes, audio (array 'f'), audio_samples,
-    hidden (array 'f'), hidden_shape}."""
+def oracle(model: str, tmp: Path, env: dict[str, str], messages: list | None = None) -> dict[str, Any]:
+    """transformers' one-process answer to PROMPT, or to chat `messages` with media parts as the master decodes
+    them: {prompt_token_ids, token_ids, codes, audio (array 'f'), audio_samples, and for PROMPT hidden (array
+    'f') and hidden_shape}."""
+    prompt = {"messages": messages} if messages else {"prompt_token_ids": PROMPT}
     (tmp / "request.json").write_text(json.dumps({
-        "prompt_token_ids": PROMPT, "thinker_max_new_tokens": THINKER_TOKENS,
+        **prompt, "thinker_max_new_tokens": THINKER_TOKENS,
         "talker_max_new_tokens": TALKER_TOKENS, "speaker": SPEAKER, "seed": SEED,
         "thinker_repetition_penalty": REPETITION_PENALTY}))
     proc = subprocess.run([sys.executable, str(HERE / "qwen_omni_hf_oracle.py"), model, str(tmp / "request.json"),
@@ -63,5 +65,6 @@ def oracle(model: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
     assert proc.returncode == 0 and (tmp / "result.json").exists(), proc.stderr[-6000:]
     result = json.loads((tmp / "result.json").read_text())
     result["audio"] = array("f", (tmp / "audio.f32").read_bytes())
-    result["hidden"] = array("f", (tmp / "hidden.f32").read_bytes())
+    if not messages:
+        result["hidden"] = array("f", (tmp / "hidden.f32").read_bytes())
     return result

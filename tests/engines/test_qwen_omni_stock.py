@@ -24,7 +24,7 @@ from fleet_harness import Fleet  # noqa: E402
 
 from ..conftest import time_limit  # noqa: E402
 from .conftest import HEARTBEAT, engine_env, media, report, tiny_omni_path  # noqa: E402
-from .qwen_omni_twin import PROMPT, REPETITION_PENALTY, TALKER_TOKENS, THINKER_TOKENS, twin  # noqa: E402
+from .qwen_omni_twin import PROMPT, REPETITION_PENALTY, SPEAKER, TALKER_TOKENS, THINKER_TOKENS, twin  # noqa: E402
 from .qwen_omni_twin import oracle as twin_oracle  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -54,8 +54,23 @@ def oracle(tiny_omni, tmp_path_factory, request) -> dict:
     return result
 
 
+@pytest.fixture(scope="module")
+def media_oracle(tiny_omni, tmp_path_factory, request) -> dict:
+    """transformers' answer to the chat with an image and a second of audio (its processor makes the prompt)."""
+    t = time.monotonic()
+    result = twin_oracle(tiny_omni, tmp_path_factory.mktemp("qwen-omni-hf-media"), engine_env(), media()[1])
+    report(request.config, "qwen-omni-stock", f"oracle with an image and audio: {time.monotonic() - t:.1f}s; prompt "
+           f"{len(result['prompt_token_ids'])} tokens, thinker tokens {result['token_ids']}")
+    return result
+
+
 def doc(model: str) -> dict:
-    return twin(model, HEARTBEAT)
+    d = twin(model, HEARTBEAT)
+    # The talker's codes are a final output too, asked for by the media test only: a chat answer's audio is
+    # 16-bit, and this tiny model's audio is below one 16-bit step.
+    assert d["spec"]["stages"][1]["name"] == "talker"
+    d["spec"]["stages"][1]["finalOutput"] = "action"
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +118,31 @@ def test_text_and_audio_equal_transformers_own_generate(fleet, oracle, request):
            f"transformers' one-process generate (largest difference {worst:.3g})")
 
 
-def test_a_prompt_with_media_is_refused_by_the_talker_naming_why(fleet):
-    """The talker's positions need the media's grids, which vLLM does not return: a 400 that says so, not a
-    wrong voice."""
+def test_an_image_and_audio_in_speech_out_equal_transformers_own_generate(fleet, media_oracle, request):
+    """A chat with an image and a second of audio, audio out: the thinker's tokens are transformers' for the
+    prompt its processor makes, and the talker's codes (the media's rows of its input zeroed, as transformers'
+    generate does) are transformers' codes, which code2wav turns into transformers' samples (the text test)."""
+    t = time.monotonic()
     status, body = fleet.http("POST", "/v1/chat/completions", {
-        "model": "speech", "messages": media()[0], "modalities": ["text", "audio"]})
-    assert status == 400, body
-    assert "talker" in json.dumps(body) and "image, audio or video" in json.dumps(body), body
+        "model": "speech", "messages": media()[0], "modalities": ["text", "audio", "action"],
+        "return_token_ids": True, "audio": {"voice": SPEAKER, "format": "pcm16"}}, timeout=REQUEST_TIMEOUT_S)
+    took = time.monotonic() - t
+    assert status == 200, body
+    choice, want = body["choices"][0], media_oracle
+    assert body["usage"]["prompt_tokens"] == len(want["prompt_token_ids"]), (body["usage"], want["prompt_token_ids"])
+    assert want["token_ids"] and choice["token_ids"] == want["token_ids"], (choice["token_ids"], want["token_ids"])
+    [talker] = [o["data"] for o in choice["message"].get("omni", []) if o["stage"] == "talker"]
+    codes = talker["codes"]
+    assert codes["dtype"] == "int64", codes
+    got = array("q", base64.b64decode(codes["data"])).tolist()
+    assert want["codes"] and got == want["codes"], (got, want["codes"])
+    # code2wav turns equal codes into transformers' samples (the text test's float32 comparison); here, where
+    # the answer is 16-bit, its length
+    pcm = base64.b64decode(choice["message"]["audio"]["data"])
+    assert len(want["audio"]) == want["audio_samples"] == len(pcm) // 2 > 0, (len(pcm), want["audio_samples"])
+    report(request.config, "qwen-omni-stock", f"image + audio in, text and audio out: {took:.2f}s; prompt "
+           f"{body['usage']['prompt_tokens']} tokens, thinker tokens {choice['token_ids']} and {len(got)} talker "
+           f"codes as transformers' one-process generate's")
 
 
 def test_the_voice_of_a_chat_request_picks_the_speaker(fleet):
@@ -192,3 +225,4 @@ def test_the_tap_gives_each_request_of_a_batch_its_own_rows_and_they_are_transfo
     assert worst <= HIDDEN_TOLERANCE, f"the tap's hidden states differ from transformers' by up to {worst}"
     report(request.config, "qwen-omni-stock", f"the tap's hidden states {list(rows.shape)} against transformers' "
            f"thinker on the same tokens: largest difference {worst:.3g} (bound {HIDDEN_TOLERANCE:g})")
+
