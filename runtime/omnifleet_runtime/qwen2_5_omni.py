@@ -17,8 +17,9 @@ talker the thinker's token embeddings) from the checkpoint's safetensors, and th
 
 A prompt with image, audio or video: the prompt rows at the media's placeholders are the hidden states
 alone (their embeddings zeroed), and the talker runs on plain sequence positions, as transformers' generate
-runs it (no grids or audio lengths reach the talker there). Code2wav draws its noise from torch's generator: `seed` (a factory argument) makes it reproducible. The
-speaker is the factories' `speaker`, or a request's voice (matched in any case against `spk_dict.pt`).
+runs it (no grids or audio lengths reach the talker there). Code2wav draws its noise from torch's
+generator: `seed` (a factory argument) makes it reproducible. The speaker is the factories' `speaker`, or a
+request's voice (matched in any case against `spk_dict.pt`).
 """
 
 from __future__ import annotations
