@@ -225,4 +225,3 @@ def test_the_tap_gives_each_request_of_a_batch_its_own_rows_and_they_are_transfo
     assert worst <= HIDDEN_TOLERANCE, f"the tap's hidden states differ from transformers' by up to {worst}"
     report(request.config, "qwen-omni-stock", f"the tap's hidden states {list(rows.shape)} against transformers' "
            f"thinker on the same tokens: largest difference {worst:.3g} (bound {HIDDEN_TOLERANCE:g})")
-
