@@ -215,7 +215,9 @@ class Master:
         return ""
 
     def _reachable(self, identity: bytes) -> bool:
-        """Whether the ROUTER still has a connection for identity (see _drop_unroutable)."""
+        """Whether the ROUTER still has a connection for identity: with ROUTER_MANDATORY a send to an
+        identity whose connection is gone fails with EHOSTUNREACH (only here: elsewhere unknown peers are
+        dropped)."""
         probe = zmq.Socket.shadow(self.sock.underlying)
         probe.router_mandatory = 1
         try:
@@ -256,44 +258,30 @@ class Master:
             event = zsock.monitor_event(await monitor.recv_message(zsock.MONITOR_FRAMES))
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
-            # What the replica sent before it closed (a last Done, its Deregister)
-            # is still queued: let the receive loop read it first (bounded: others keep sending).
-            for _ in range(DRAIN_POLLS):
-                if not self.sock.events() & zmq.POLLIN:
-                    break
-                await asyncio.sleep(0.001)
             for delay in REPROBE_DELAYS_S:
                 await asyncio.sleep(delay)
                 self.sock.events()  # runs libzmq's pending commands: the closing pipe's among them
-                if self._drop_unroutable():
+                if gone := self._unroutable():
+                    # A closing pipe is unroutable while what the replica sent before it closed (a last
+                    # Done, its Deregister) is still queued: let the receive loop read that first
+                    # (bounded: others keep sending).
+                    for _ in range(DRAIN_POLLS):
+                        if not self.sock.events() & zmq.POLLIN:
+                            break
+                        await asyncio.sleep(0.001)
+                    self._drop(gone)
                     break  # one event, one connection
 
-    def _drop_unroutable(self) -> int:
+    def _unroutable(self) -> list[Replica]:
         # The event names a file descriptor, not a replica: probe them all.
-        # With ROUTER_MANDATORY a send to an identity whose connection is gone
-        # fails with EHOSTUNREACH (only here: elsewhere unknown peers are dropped).
-        probe = zmq.Socket.shadow(self.sock.underlying)
-        beat = wire.encode(wire.MasterHeartbeat(self.master_id))
-        gone = []
-        probe.router_mandatory = 1
-        try:
-            for rep in self.membership.all():
-                try:
-                    probe.send_multipart([rep.identity, *beat], flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # connected, its queue full
-                except zmq.ZMQError as e:
-                    if e.errno == zmq.EHOSTUNREACH:
-                        gone.append(rep)
-        finally:
-            probe.router_mandatory = 0
-            self.sock.recheck()
+        return [rep for rep in self.membership.all() if not self._reachable(rep.identity)]
+
+    def _drop(self, gone: list[Replica]) -> None:
         for rep in gone:
-            if self.membership.leave(rep.identity) is not None:
+            if self.membership.leave(rep.identity) is not None:  # else it deregistered meanwhile
                 log.warning("replica %s lost: its connection closed", rep)
                 self.metrics.replica_losses.inc(stage=rep.stage)
                 self.orch.on_replica_lost(rep, "was lost")
-        return len(gone)
 
     # ------------------------------------------------------------ run
 
