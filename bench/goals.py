@@ -84,7 +84,8 @@ GOALS: tuple[Goal, ...] = (
          "0.90 ms at 9df8e95 (the same code on this path, 10 minutes later), 5.88x; 176 us and 1.04 ms at 0377d00, "
          "5.94x; 176 us and 1.11 ms at 0ed41f2, 6.30x; 2026-12-04 on an AMD EPYC of another kernel build, faster: "
          "126 us and 0.59 ms at 165f165, 4.67x; 104 us and 0.50 ms at d112e00, 4.78x, and 99 us and 0.49 ms at "
-         "b3696ab (the same code an hour later), 4.94x: the reports' cpu and kernel rows)"),
+         "b3696ab (the same code an hour later), 4.94x; 130 us and 0.63 ms at dd71511 (nothing on this path changed), "
+         "4.84x: the reports' cpu and kernel rows)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -99,7 +100,8 @@ GOALS: tuple[Goal, ...] = (
          "0.51-0.71x (there the raw one-frame ZMQ link itself read 1.25-2.60 GB/s against raw TCP's 3.30-4.00), "
          "0.52-1.00x at 9df8e95 where it read 0.51-0.62x, 0.57-1.01x at 0377d00 where it read 0.60-0.72x, "
          "0.66-0.93x at 0ed41f2 where it read 0.52-0.64x, 0.82-1.11x at 165f165 where it read 0.57-0.74x, 0.75-1.27x "
-         "at d112e00 where it read 0.64-0.71x, 0.64-1.07x at b3696ab (the same code) where it read 0.47-0.63x"),
+         "at d112e00 where it read 0.64-0.71x, 0.64-1.07x at b3696ab (the same code) where it read 0.47-0.63x, "
+         "0.60-1.13x at dd71511 where it read 0.41-0.73x"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -112,7 +114,8 @@ GOALS: tuple[Goal, ...] = (
          "and 1.05x at a15bb6b (2.47x without it), which do not, and 1.73x at 7a0d074 (1.62x without it), 2.19x at "
          "2f5d218 (1.37x without it), 2.04x at 57b1033 (2.36x without it), 1.93x at 9df8e95 (2.32x without it), "
          "1.92x at 0377d00 (2.61x without it), 1.56x at 0ed41f2 (2.89x without it), 1.66x at 165f165 (2.14x without "
-         "it), 3.60x at d112e00 (3.11x without it), 2.90x at b3696ab (3.17x without it); the master's bulk profile in "
+         "it), 3.60x at d112e00 (3.11x without it), 2.90x at b3696ab (3.17x without it), 1.71x at dd71511 (4.30x "
+         "without it); the master's bulk profile in "
          "the same "
          "report is where to look"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
@@ -125,17 +128,17 @@ GOALS: tuple[Goal, ...] = (
          "57b1033, 1.87x at 16 MiB; 2.08x at 16 MiB and 2.00x at 64 MiB at 9df8e95; 1.96x at 0377d00, 1.88x at "
          "0ed41f2: met; 2.35x at 16 MiB and 1.65x at 64 MiB at 165f165; 1.93x at 16 MiB at d112e00: met, 2.11x at 1 "
          "MiB, outside the goal's sizes; 2.53x at 16 MiB and 1.79x at 64 MiB at b3696ab, the same code an hour "
-         "later); from 256 MiB it meets"),
+         "later; 2.04x at 16 MiB and 1.57x at 64 MiB at dd71511); from 256 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
          "report) and a D2H and an H2D not overlapped with the wire weigh most (0.61x at b7072fa, 0.75x at "
          "a7bd6df, 0.73x at 2b74f53, 0.88x at 7a0d074: met, 0.57x at bd3d11b, 0.80x at 57b1033: met, 0.65x at "
          "9df8e95, 0.81x at 0377d00: met, 0.64x at 0ed41f2, 0.70x at 165f165, 0.59x at d112e00, 0.79x at "
-         "b3696ab, the same code); from 64 MiB the split data path (8 streams) "
+         "b3696ab, the same code, 0.81x at dd71511: met); from 64 MiB the split data path (8 streams) "
          "outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074, "
          "2.4-2.7x at 57b1033, 2.6-2.8x at 9df8e95, 2.4-3.0x at 0377d00, 2.5-2.7x at 0ed41f2, 2.4-2.6x at 165f165, "
-         "2.4-2.5x at d112e00, 2.7-3.1x at b3696ab)"),
+         "2.4-2.5x at d112e00, 2.7-3.1x at b3696ab, 2.4-2.9x at dd71511)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
@@ -144,8 +147,9 @@ GOALS: tuple[Goal, ...] = (
          "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at "
          "26aea68, 0.36x at b7072fa, 0.38x at a7bd6df, 0.38x at 2b74f53 (0.49x at 16 MiB), 0.37x at 7a0d074, "
          "0.36x at bd3d11b, 0.44x at 57b1033, 0.35x at 9df8e95, 0.38x at 0377d00, 0.37x at 0ed41f2, 0.37x at "
-         "165f165, 0.36x at d112e00 (0.51x at 16 MiB) and 0.34x at b3696ab (0.47x at 16 MiB; the raw ceiling there: "
-         "0.17-0.24x, 0.17-0.21x, 0.19-0.23x, 0.20-0.23x, 0.17-0.20x, 0.21-0.22x and 0.19-0.22x at every K)"),
+         "165f165, 0.36x at d112e00 (0.51x at 16 MiB), 0.34x at b3696ab (0.47x at 16 MiB) and 0.39x at dd71511 "
+         "(0.55-0.59x at 16 MiB; the raw ceiling there: 0.17-0.24x, 0.17-0.21x, 0.19-0.23x, 0.20-0.23x, 0.17-0.20x, "
+         "0.21-0.22x, 0.19-0.22x and 0.20-0.23x at every K)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
@@ -155,7 +159,7 @@ GOALS: tuple[Goal, ...] = (
          "0.84-1.19x at 7a0d074 (0.92x, met); on an AMD EPYC 0.88-1.12x at 57b1033 (0.97x, met) and, 10 minutes "
          "later on the same code path, 0.79-1.05x at 9df8e95 (0.89x), 0.78-1.34x at 0377d00 (0.93x, met), "
          "0.76-1.13x at 0ed41f2 (0.92x, met), 0.41-0.99x at 165f165 (0.91x, met), 0.87-1.00x at d112e00 (0.94x, "
-         "met), 0.84-0.99x at b3696ab, the same code (0.91x, met). "
+         "met), 0.84-0.99x at b3696ab, the same code (0.91x, met), 0.80-1.00x at dd71511 (0.91x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -174,7 +178,7 @@ GOALS: tuple[Goal, ...] = (
          "machine, where the engine's first token came in 3.09 ms (8.32 ms at 0ed41f2) and the pipeline's own "
          "path took 3.2 ms (4.9 ms): the path shrank less than the engine's time; 1.73x at d112e00 (1.62-2.05x; "
          "first token 2.98 ms, first audio 5.67 ms), 1.72x at b3696ab, the same code (1.52-2.32x; 3.67 and 6.42 "
-         "ms). "
+         "ms), 1.88x at dd71511 (1.32-2.10x; 3.47 and 6.86 ms). "
          "Before: 1.53x and 1.57x on an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
