@@ -32,7 +32,8 @@ from omnifleet_runtime.devsetup.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.vllm
 
-ENGINE = dict(dtype="bfloat16", max_model_len=256, enforce_eager=True, seed=0)
+ABORT_MAX_TOKENS = 4000
+ENGINE = dict(dtype="bfloat16", max_model_len=4096, enforce_eager=True, seed=0)
 GREEDY = dict(temperature=0.0, max_tokens=16, ignore_eos=True)  # ignore_eos: fixed lengths
 
 
@@ -167,7 +168,8 @@ async def scenario(prompts: list[list[int]], run: Run) -> None:
         async for out in engine.generate(tokens_input(prompts[0]), sp, "cumulative"):
             run.cumulative_lengths.append(len(out.outputs[0].token_ids))
 
-        sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
+        # Long enough (seconds on CPU) that a stall of this process cannot let the engine finish first.
+        sp = SamplingParams(temperature=0.0, max_tokens=ABORT_MAX_TOKENS, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
         async def abort_mid_stream() -> None:
             async for out in engine.generate(tokens_input(prompts[1]), sp, "to-abort"):
@@ -227,7 +229,7 @@ def test_streaming_delta_and_cumulative(run: Run) -> None:
 
 
 def test_abort_mid_stream_leaves_nothing_running(run: Run) -> None:
-    assert run.abort_sent and 4 <= run.aborted_after < 200
+    assert run.abort_sent and 4 <= run.aborted_after < ABORT_MAX_TOKENS
     assert run.abort_reason == "abort"
     assert run.unfinished_after_abort == 0  # the frontend (output processor)
     assert run.core_after_abort == (0, 0)  # the engine core's scheduler: running, waiting

@@ -90,7 +90,7 @@ def test_an_abort_ends_the_request_and_its_companion_in_the_engine(make_fleet):
     fleet.start_pod("pod-join", "join")
     fleet.wait_ready()
     # The companion holds; the request's deadline passes: the master aborts, the stage ends both runs.
-    status, body = fleet.http("POST", "/v1/completions", {"prompt": "go", "negative_prompt": "hold", "timeout": 1})
+    status, body = fleet.http("POST", "/v1/completions", {"prompt": "go", "negative_prompt": "hold", "timeout": 5})
     assert status == 504, (status, body)
     wait_until(lambda: len(list(fleet.dir.glob("aborted-*"))) == 1, "the companion aborted", timeout=10)
     (held,) = [p.name for p in fleet.dir.glob("aborted-*")]

@@ -163,7 +163,8 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(make_fleet):
     t.join(timeout=30)
     assert result["out"].choices[0].text == "inflight@pod-a"
     assert pod.popen.wait(timeout=30) == 0
-    assert "deregistered" in fleet.procs["master"].output()
+    # Sent before the pod exited; the master reads it in its own time.
+    wait_until(lambda: "deregistered" in fleet.procs["master"].output(), "the master to read the Deregister")
 
 
 def test_control_call_to_a_replica_that_dies_is_answered_at_once(make_fleet):
@@ -326,11 +327,14 @@ def test_sigterm_to_the_master_drains_its_requests_and_exits_zero(make_fleet):
     assert "every request finished; exiting" in master.output()
 
 
+LINGER_S = 8  # room for the checks below inside it on a starved machine
+
+
 def test_an_idle_master_keeps_answering_503_after_sigterm_for_its_linger(make_fleet):
     """Nothing in flight: the master still answers (503) for --drain-linger, so requests that the Service
     routed to it before its endpoint was removed get a clear error instead of a reset connection."""
     fleet = make_fleet(pipeline(stage("a", "upper", finalOutput="text")))
-    master = fleet.start_master("--drain-linger", "3")
+    master = fleet.start_master("--drain-linger", str(LINGER_S))
     fleet.start_pod("pod-a", "a")
     fleet.wait_ready()
     master.popen.send_signal(signal.SIGTERM)
@@ -338,9 +342,9 @@ def test_an_idle_master_keeps_answering_503_after_sigterm_for_its_linger(make_fl
     wait_until(lambda: fleet.get("/ready")[0] == 503, "/ready to turn 503")
     status, body = fleet.http("POST", "/v1/completions", {"model": "test", "prompt": "late"})
     assert status == 503 and "the master is shutting down" in body["error"]["message"]
-    assert master.alive() and time.monotonic() - signalled < 3
+    assert master.alive() and time.monotonic() - signalled < LINGER_S
     assert master.popen.wait(timeout=30) == 0
-    assert time.monotonic() - signalled >= 3
+    assert time.monotonic() - signalled >= LINGER_S
 
 
 def test_a_draining_master_ends_what_outlives_its_deadline_and_exits_zero(make_fleet):

@@ -27,7 +27,7 @@ class Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
             return
         if mode == "hang":
-            time.sleep(1.5)
+            time.sleep(4.5)
             return
         status, body = {
             "ok": (200, {"choices": [{"message": {"content": TEXT}, "token_ids": IDS}]}),
@@ -45,7 +45,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server(monkeypatch):
     monkeypatch.setattr(chaos.net, "NODE_IP", "127.0.0.1")
-    monkeypatch.setattr(chaos, "CLIENT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(chaos, "CLIENT_TIMEOUT_S", 3.0)
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
