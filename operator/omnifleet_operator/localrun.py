@@ -46,6 +46,7 @@ from .ports import spare_port
 RUNTIME_SRC = Path(__file__).resolve().parents[2] / "runtime"
 OMNIFLEET = [sys.executable, "-c", "import sys; from omnifleet_operator.cli import main; sys.exit(main())"]
 STOP_TIMEOUT_S = C.DRAIN_TIMEOUT_S + 10
+PUMP_DRAIN_S = 5.0  # for the output the stopped processes left in their pipes
 
 
 @dataclass
@@ -220,6 +221,7 @@ def main(argv: list[str]) -> int:
         width = max(len(p.name) for p in procs)
         lock = threading.Lock()
         stopping = threading.Event()
+        pumps: list[threading.Thread] = []
         # Ctrl-C reaches only this runner (each child leads a process group of its own, outside the
         # terminal's foreground group), which stops them in order.
         old = signal.signal(signal.SIGINT, lambda *_: stopping.set())
@@ -235,7 +237,8 @@ def main(argv: list[str]) -> int:
                 proc.popen = subprocess.Popen(proc.argv, env=proc.env, stdin=subprocess.DEVNULL,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, process_group=0,
                                               preexec_fn=parent_death_preexec(signal.SIGTERM))
-                threading.Thread(target=_pump, args=(proc, width, lock), daemon=True).start()
+                pumps.append(threading.Thread(target=_pump, args=(proc, width, lock), daemon=True))
+                pumps[-1].start()
             model = doc["metadata"]["name"]
             with lock:
                 print(f"omnifleet run: {len(procs)} processes; API {url}; admin http://127.0.0.1:{ports.admin} "
@@ -255,5 +258,10 @@ def main(argv: list[str]) -> int:
         finally:
             print("omnifleet run: stopping", file=sys.stderr, flush=True)
             _stop([p for p in procs if p.popen is not None])
+            # Their last lines (a master's exit, a stage's traceback) are printed before this returns;
+            # bounded, since a process's own child may still hold its output open.
+            deadline = time.monotonic() + PUMP_DRAIN_S
+            for pump in pumps:
+                pump.join(timeout=max(0.0, deadline - time.monotonic()))
             signal.signal(signal.SIGINT, old)
     return code
