@@ -183,21 +183,25 @@ GOALS: tuple[Goal, ...] = (
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's own CPU on the same 2 cores as the apiserver (150-206 ms per pipeline in "
-           "the 2026-12-03 run at e936ad9, 156-217 ms at 69ca306), where the direct client renders nothing; a "
+           "the 2026-12-03 run at e936ad9, 156-217 ms at 69ca306, 101-144 ms at 3fa4f94), where the direct client "
+           "renders nothing; a "
            "sampling profile of this code (py-spy, not a benchmark) and cProfile runs at N=100 (not kept) put it in "
            "kopf's per-event processing (two handlers per child event: its index and the queueing), the HTTP "
            f"client and each pass's render and compare (older cProfile runs: {_CP_PROFILES}). Rounds vary with the "
            "machine more than between recent commits: N=10 read 1.23x (0.95-1.53x) at 69ca306 and 1.33x (1.27, "
-           "1.39; 0.67 with outside load) at e936ad9; N=100 read 1.21x (1.16-1.57x) at 201a0ae, 1.50x "
-           "(1.41-1.62x) at f87bb68, 1.55x (1.26-1.56x) at 69ca306 and 1.21x (1.00-1.35x) at e936ad9, where the "
-           "operator took 20.1-23.7, 23.8-27.6, 24.0-25.5 and 20.3-22.7 s and the direct client 14.8-20.4, "
-           "16.8-17.0, 15.5-19.9 and 16.4-20.2 s; N=1000: 1.32x at 201a0ae, 1.57x at f87bb68, 1.31x at 69ca306, "
-           "1.35x at e936ad9 (the reports as committed in 927fa36, ab1a087, d0d0faf and this one)")
+           "1.39; 0.67 with outside load) at e936ad9 and 1.02x (0.85-1.11x) at 3fa4f94; N=100 read 1.21x "
+           "(1.16-1.57x) at 201a0ae, 1.50x (1.41-1.62x) at f87bb68, 1.55x (1.26-1.56x) at 69ca306, 1.21x "
+           "(1.00-1.35x) at e936ad9 and 1.41x (1.33-1.57x) at 3fa4f94, where the operator took 20.1-23.7, "
+           "23.8-27.6, 24.0-25.5, 20.3-22.7 and 15.6-18.7 s and the direct client 14.8-20.4, 16.8-17.0, "
+           "15.5-19.9, 16.4-20.2 and 11.7-12.5 s; N=1000: 1.32x at 201a0ae, 1.57x at f87bb68, 1.31x at 69ca306, "
+           "1.35x at e936ad9, 1.45x at 3fa4f94 (the reports as committed in 927fa36, ab1a087, d0d0faf, 7fe4f6c "
+           "and this one)")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
          why_missed="the watch caches' copies of every child, kopf's memory of each watched object, and the "
          "process's own base (the report's RSS before the apply: 67 MiB, then 177 KiB per pipeline at N=1000 "
-         "in the 2026-12-03 run at f87bb68, 174 KiB at 69ca306 and at e936ad9; 74 MiB and 189 KiB at 201a0ae, "
+         "in the 2026-12-03 run at f87bb68, 174 KiB at 69ca306 and at e936ad9, 173 KiB at 3fa4f94; 74 MiB and 189 "
+         "KiB at 201a0ae, "
          "that report as committed in 927fa36, before the keys were made by libsodium instead of cryptography's "
          "OpenSSL)"),
     Goal("operator writes on an idle resync", "control_plane",
