@@ -304,46 +304,48 @@ def test_per_request_sampling_params(fleet):
 ABORT_ATTEMPTS = 3  # 8000 tokens take a few seconds: a starved master may see them only when done
 
 
-def test_abort_mid_stream_leaves_no_request_in_either_engine(fleet):
-    client = fleet.openai()
-    # During stage 2: the client has seen a few tokens, then leaves. On a machine whose two cores the talker's
-    # engine keeps busy, the master's loop can stall for seconds (seen: 8.9 s) while the talker finishes all its
-    # tokens before the client has read three: such an attempt aborts nothing and is made again.
+def abort_while_running(fleet: Fleet, stage: str, watch, running) -> dict:
+    """Stream a request that gives `stage` 8000 tokens, watch(stream) for the stage's stats, leave (the client
+    closes), and wait until both engines are idle; again while running(stats) is false, up to ABORT_ATTEMPTS.
+    On a machine whose two cores an engine keeps busy, the master's loop can stall for seconds (seen: 8.9 s)
+    while the stage finishes all its tokens: such an attempt aborts nothing and is made again."""
     tries = []
     for _ in range(ABORT_ATTEMPTS):
-        stream = client.chat.completions.create(model="omni", messages=CHAT, stream=True,
-                                                extra_body={"stage_sampling_params": {"talker": {"max_tokens": 8000}}})
+        stream = fleet.openai().chat.completions.create(
+            model="omni", messages=CHAT, stream=True,
+            extra_body={"stage_sampling_params": {stage: {"max_tokens": 8000}}})
+        busy = watch(stream)
+        stream.close()
+        tries.append(busy)
+        idle(fleet, "talker")
+        idle(fleet, "thinker")
+        if running(busy):
+            return busy
+    raise AssertionError(f"the {stage} was never caught running: {tries}")
+
+
+def test_abort_mid_stream_leaves_no_request_in_either_engine(fleet):
+    # During stage 2: the client has seen a few tokens, then leaves.
+    def after_three_tokens(stream) -> dict:
         seen = 0
         for chunk in stream:
             seen += bool(chunk.choices[0].delta.content)
             if seen >= 3:
                 break
-        busy = control(fleet, "talker", "stats")
-        stream.close()
-        tries.append(busy)
-        idle(fleet, "talker")
-        idle(fleet, "thinker")
-        if busy["unfinished"] == 1 and busy["active"] == 1:
-            break
-    assert busy["unfinished"] == 1 and busy["active"] == 1, f"the talker was never caught running: {tries}"
+        return control(fleet, "talker", "stats")
 
-    # During stage 1: nothing has reached the client yet. The same stall can hide the thinker's whole run
-    # from the stats calls (they go through the master): such an attempt is made again too.
-    tries = []
-    for _ in range(ABORT_ATTEMPTS):
-        stream = client.chat.completions.create(
-            model="omni", messages=CHAT, stream=True,
-            extra_body={"stage_sampling_params": {"thinker": {"max_tokens": 8000}}})
+    busy = abort_while_running(fleet, "talker", after_three_tokens, lambda s: s["unfinished"] == 1 and s["active"] == 1)
+    assert busy["unfinished"] == 1 and busy["active"] == 1
+
+    # During stage 1: nothing has reached the client yet (the stats calls go through the master too).
+    def thinker_running(stream) -> dict:
         deadline = time.monotonic() + 30
         while (busy := control(fleet, "thinker", "stats"))["running"] != 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        stream.close()
-        tries.append(busy)
-        idle(fleet, "thinker")
-        idle(fleet, "talker")
-        if busy["running"] == 1:
-            break
-    assert busy["unfinished"] == 1 and busy["running"] == 1, f"the thinker was never caught running: {tries}"
+        return busy
+
+    busy = abort_while_running(fleet, "thinker", thinker_running, lambda s: s["running"] == 1)
+    assert busy["unfinished"] == 1 and busy["running"] == 1
 
 
 # ---------------------------------------------------------------- audio
