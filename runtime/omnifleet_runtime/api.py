@@ -82,6 +82,7 @@ class Api:
                                   companions=any(s.prompt_expand for s in self.spec.stages))
         self.inflight = 0
         self.draining = False  # SIGTERM: no new request; those in flight finish (master.py)
+        self.last_arrival, self.drain_arrivals = 0.0, 0  # API requests while draining: the last's time, count
         self.started, self.warm = time.monotonic(), False  # see readyz
         self.model_id = doc.metadata.name
         self.model_names = {self.model_id} | ({self.spec.model} if self.spec.model else set())
@@ -115,6 +116,15 @@ class Api:
         """The API key on /v1/, and the bound on requests served at once."""
         if not request.path.startswith("/v1/"):
             return await handler(request)
+        if not self.draining:
+            return await self._admit(request, handler)
+        self.last_arrival = time.monotonic()
+        self.drain_arrivals += 1
+        resp = await self._admit(request, handler)
+        resp.force_close()  # a keep-alive client's next request opens a new connection, which the proxy routes anew
+        return resp
+
+    async def _admit(self, request: web.Request, handler) -> web.StreamResponse:
         if self.api_key is not None and not bearer_ok(request, self.api_key):
             self.metrics.refused.inc(reason="unauthorized")
             return unauthorized("this API wants an API key")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -52,6 +53,23 @@ def _add_security_flags(p: argparse.ArgumentParser, max_frame_bytes: int) -> Non
                    help="largest frame a peer may send; a larger one closes its connection (default: %(default)s)")
 
 
+def _seconds(flag: float | None, name: str, default: float) -> float:
+    """A duration from its flag, else from the environment (spec.master.env), else the default; a bad value in
+    the environment stops the command, naming the variable."""
+    if flag is not None:
+        return flag
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise SystemExit(f"{name}={raw[:32]!r}: must be a number of seconds, 0 or more")
+    return value
+
+
 def _heartbeat_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=None,
                    help=f"seconds between heartbeats (default: spec.heartbeat, else {C.HEARTBEAT_INTERVAL_S:g})")
@@ -84,10 +102,14 @@ def master(argv: list[str]) -> int:
                    help="seconds an accepted request waits for a stage with no replica (default: %(default)s)")
     p.add_argument("--drain-timeout", type=float, default=C.MASTER_DRAIN_TIMEOUT_S,
                    help="seconds to finish in-flight requests after SIGTERM (default: %(default)s)")
-    p.add_argument("--drain-linger", type=float, default=C.MASTER_DRAIN_LINGER_S,
+    p.add_argument("--drain-linger", type=float, default=None,
                    help="seconds the API keeps answering (503) after SIGTERM, at least, so that requests "
-                        "routed here before the endpoint removal reached every proxy get an answer "
-                        "(default: %(default)s)")
+                        f"routed here before the endpoint removal reached every proxy get an answer (default: "
+                        f"${C.ENV_DRAIN_LINGER}, else {C.MASTER_DRAIN_LINGER_S:g})")
+    p.add_argument("--drain-quiet", type=float, default=None,
+                   help="after --drain-linger, the API keeps answering (503) until no request has come for "
+                        f"this many seconds, within --drain-timeout (default: ${C.ENV_DRAIN_QUIET}, else "
+                        f"{C.MASTER_DRAIN_QUIET_S:g})")
     _add_security_flags(p, C.MAX_CONTROL_FRAME_BYTES)
     p.add_argument("--admin-port", type=int, default=C.MASTER_ADMIN_PORT,
                    help="HTTP port of /v1/stages and control RPCs (default: %(default)s)")
@@ -114,7 +136,8 @@ def master(argv: list[str]) -> int:
         api_key=_secret(args.api_key_file, C.ENV_API_KEY),
         admin_token=_secret(args.admin_token_file, C.ENV_ADMIN_TOKEN),
         heartbeat_interval_s=interval, heartbeat_timeout_s=timeout, drain_timeout_s=args.drain_timeout,
-        drain_linger_s=args.drain_linger,
+        drain_linger_s=_seconds(args.drain_linger, C.ENV_DRAIN_LINGER, C.MASTER_DRAIN_LINGER_S),
+        drain_quiet_s=_seconds(args.drain_quiet, C.ENV_DRAIN_QUIET, C.MASTER_DRAIN_QUIET_S),
     )
 
 

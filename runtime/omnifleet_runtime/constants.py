@@ -76,6 +76,10 @@ ENV_POD_IP = "OMNIFLEET_POD_IP"  # advertised for stage-to-stage data
 ENV_KEYS_DIR = "OMNIFLEET_KEYS_DIR"  # where the pipeline's keys are (default KEYS_DIR)
 ENV_API_KEY = "OMNIFLEET_API_KEY"  # bearer key of the inference endpoints (from spec.master.apiKeySecret)
 ENV_ADMIN_TOKEN = "OMNIFLEET_ADMIN_TOKEN"  # bearer token of the admin port (from spec.master.adminTokenSecret)
+# Defaults of the master's --drain-linger and --drain-quiet, settable through spec.master.env where a
+# cluster's proxies take longer to drop a terminating endpoint.
+ENV_DRAIN_LINGER = "OMNIFLEET_DRAIN_LINGER_SECONDS"
+ENV_DRAIN_QUIET = "OMNIFLEET_DRAIN_QUIET_SECONDS"
 
 # Liveness between master and stage replicas. A process that exits (crash,
 # OOM kill, pod deleted) closes its connection, and the other side acts on
@@ -105,6 +109,9 @@ MASTER_DRAIN_TIMEOUT_S = 20.0  # within the master pod's 30 s termination grace 
 # endpoint removal reaches every node's proxy only after a while, and a listener closed sooner resets
 # the connections routed to it meanwhile (a request sent and lost instead of a clear error).
 MASTER_DRAIN_LINGER_S = 5.0
+# After that linger it stays until no client request has come for this long (within its drain timeout):
+# requests still arriving mean some proxy still routes here, however long the endpoint removal takes.
+MASTER_DRAIN_QUIET_S = 1.0
 # Exit status of a stage whose protocol version the master refused.
 EXIT_PROTOCOL_MISMATCH = 3
 # A stage whose engine has not loaded in this long gives up and exits (its pod restarts); per stage:

@@ -285,13 +285,15 @@ class Master:
 
     # ------------------------------------------------------------ run
 
-    async def drain(self, timeout_s: float, linger_s: float = 0.0) -> None:
+    async def drain(self, timeout_s: float, linger_s: float = 0.0, quiet_s: float = 0.0) -> None:
         """Stop taking requests (/ready and new ones answer 503), let those in flight finish up to
-        timeout_s; the stages keep serving them meanwhile. The API answers (503) for linger_s at least."""
+        timeout_s; the stages keep serving them meanwhile. The API answers (503) for linger_s at least,
+        then until no request has come for quiet_s, all within timeout_s."""
         self.api.draining = True
-        linger_until = time.monotonic() + min(linger_s, timeout_s)
+        start = time.monotonic()
+        linger_until = start + min(linger_s, timeout_s)
         log.info("SIGTERM: draining %d request(s), up to %.0fs", self.api.inflight, timeout_s)
-        deadline = time.monotonic() + timeout_s
+        deadline = start + timeout_s
         while self.api.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.api.inflight:
@@ -306,8 +308,17 @@ class Master:
             log.info("every request finished; exiting")
         # Connections routed here before the endpoint removal reached every proxy get a 503, not a reset.
         await asyncio.sleep(max(0.0, linger_until - time.monotonic()))
+        # Requests still arriving mean some proxy still routes here: answer them until they stop.
+        before = None
+        while (now := time.monotonic()) < deadline and now - self.api.last_arrival < quiet_s:
+            before = self.api.drain_arrivals if before is None else before
+            await asyncio.sleep(min(deadline, self.api.last_arrival + quiet_s) - now)
+        if before is not None:
+            log.info("requests kept coming after the linger: %d more answered (503) until none came for %gs, "
+                     "%.1fs after SIGTERM", self.api.drain_arrivals - before, quiet_s, time.monotonic() - start)
 
-    async def serve(self, stop: asyncio.Event, drain_timeout_s: float = 0.0, drain_linger_s: float = 0.0) -> None:
+    async def serve(self, stop: asyncio.Event, drain_timeout_s: float = 0.0, drain_linger_s: float = 0.0,
+                    drain_quiet_s: float = 0.0) -> None:
         ctx = zmq.Context()
         self.auth = security.start_authenticator(ctx, self.keys)  # before the bind: no handshake goes unchecked
         self.metrics.auth_refused = lambda: self.auth.refused
@@ -331,7 +342,7 @@ class Master:
                  asyncio.create_task(self._disconnect_loop(monitor))]
         try:
             await stop.wait()
-            await self.drain(drain_timeout_s, drain_linger_s)
+            await self.drain(drain_timeout_s, drain_linger_s, drain_quiet_s)
         finally:
             for t in tasks:
                 t.cancel()
@@ -376,13 +387,14 @@ def _peer_address(frame) -> str | None:
 
 
 def run_master(doc: OmniPipeline, drain_timeout_s: float = C.MASTER_DRAIN_TIMEOUT_S,
-               drain_linger_s: float = C.MASTER_DRAIN_LINGER_S, **kwargs) -> int:
+               drain_linger_s: float = C.MASTER_DRAIN_LINGER_S, drain_quiet_s: float = C.MASTER_DRAIN_QUIET_S,
+               **kwargs) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await Master(doc, **kwargs).serve(stop, drain_timeout_s, drain_linger_s)
+        await Master(doc, **kwargs).serve(stop, drain_timeout_s, drain_linger_s, drain_quiet_s)
 
     asyncio.run(main())
     return 0

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from omnifleet_operator.devcluster import node
+from omnifleet_runtime import constants as C
 
 from ..conftest import time_limit
 from . import chaos
@@ -46,7 +47,10 @@ def overall_timeout():  # this module's own bound, instead of the suite's 600 s
 
 @pytest.fixture(scope="module")
 def pipe(cluster, kube, model_dir: Path):
-    with deployed(cluster, kube, model_dir, slug="chaos") as p:
+    # This node's proxy has been seen still routing to a deleted master 5.5 s later while the engines kept
+    # both cores busy (a request reset as the master stopped listening after the 5 s default linger): the
+    # pipeline sets the longer linger such a cluster needs, as a platform team would.
+    with deployed(cluster, kube, model_dir, slug="chaos", master_env={C.ENV_DRAIN_LINGER: "15"}) as p:
         yield p
 
 

@@ -115,14 +115,17 @@ class Pipeline:
 
 
 @contextlib.contextmanager
-def deployed(cluster, kube: Kube, model_dir: Path, slug: str = "tiny-vllm") -> Iterator[Pipeline]:
+def deployed(cluster, kube: Kube, model_dir: Path, slug: str = "tiny-vllm",
+             master_env: dict[str, str] | None = None) -> Iterator[Pipeline]:
     """The tiny pipeline, Ready, in a new namespace enforcing `restricted`; the namespace is deleted
-    afterwards, so the next module's pipeline does not share the cores with this one's engines."""
+    afterwards, so the next module's pipeline does not share the cores with this one's engines.
+    master_env: spec.master.env, added to the sample's."""
     ns = make_namespace(cluster, slug, PSA_RESTRICTED)
     model_claim(cluster, ns, model_dir)
     cluster.kubectl("create", "secret", "generic", ADMIN_SECRET, "-n", ns, f"--from-literal=token={ADMIN_TOKEN}")
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["spec"].setdefault("master", {})["adminTokenSecret"] = {"name": ADMIN_SECRET, "key": "token"}
+    doc["spec"]["master"].setdefault("env", []).extend({"name": k, "value": v} for k, v in (master_env or {}).items())
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
     p = Pipeline(cluster, kube, ns)
     try:

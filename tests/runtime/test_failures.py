@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import signal
 import threading
 import time
@@ -12,6 +14,7 @@ import pytest
 
 from fleet_harness import pipeline, stage, wait_until
 from omnifleet_runtime import constants as C
+from omnifleet_runtime.api import RETRY_AFTER_S
 
 LOST_AFTER_STREAMING = "was lost after output was streamed"
 
@@ -331,10 +334,12 @@ LINGER_S = 8  # room for the checks below inside it on a starved machine
 
 
 def test_an_idle_master_keeps_answering_503_after_sigterm_for_its_linger(make_fleet):
-    """Nothing in flight: the master still answers (503) for --drain-linger, so requests that the Service
-    routed to it before its endpoint was removed get a clear error instead of a reset connection."""
+    """Nothing in flight: the master still answers (503) for its linger, so requests that the Service
+    routed to it before its endpoint was removed get a clear error instead of a reset connection. The
+    linger here comes from the environment (spec.master.env), as a pipeline sets it."""
     fleet = make_fleet(pipeline(stage("a", "upper", finalOutput="text")))
-    master = fleet.start_master("--drain-linger", str(LINGER_S))
+    fleet.env[C.ENV_DRAIN_LINGER] = str(LINGER_S)
+    master = fleet.start_master()
     fleet.start_pod("pod-a", "a")
     fleet.wait_ready()
     master.popen.send_signal(signal.SIGTERM)
@@ -345,6 +350,36 @@ def test_an_idle_master_keeps_answering_503_after_sigterm_for_its_linger(make_fl
     assert master.alive() and time.monotonic() - signalled < LINGER_S
     assert master.popen.wait(timeout=30) == 0
     assert time.monotonic() - signalled >= LINGER_S
+
+
+def test_a_draining_master_stays_while_requests_keep_coming_and_closes_their_connections(make_fleet):
+    """Requests still arriving after the linger mean a proxy still routes here (an endpoint removal slower
+    than the linger): the master answers them (503) until none has come for --drain-quiet, then exits.
+    Each of those answers closes its connection, so a keep-alive client's retry is routed anew."""
+    fleet = make_fleet(pipeline(stage("a", "upper", finalOutput="text")))
+    quiet = 4.0
+    master = fleet.start_master("--drain-linger", "1", "--drain-quiet", str(quiet))
+    fleet.start_pod("pod-a", "a")
+    fleet.wait_ready()
+    master.popen.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    wait_until(lambda: fleet.get("/ready")[0] == 503, "/ready to turn 503")
+    statuses = []
+    while time.monotonic() - signalled < 7:  # well past the 1 s linger; a reset or refusal raises here
+        conn = http.client.HTTPConnection("127.0.0.1", fleet.api_port, timeout=30)
+        sent = time.monotonic()
+        conn.request("POST", "/v1/completions", json.dumps({"model": "test", "prompt": "late"}),
+                     {"Content-Type": "application/json", "Connection": "keep-alive"})
+        resp = conn.getresponse()
+        statuses.append((resp.status, resp.getheader("Connection"), resp.getheader("Retry-After")))
+        resp.read()
+        conn.close()
+        time.sleep(0.2)
+    assert master.alive(), "the master left while requests were still coming"
+    assert statuses and set(statuses) == {(503, "close", str(RETRY_AFTER_S))}, statuses
+    assert master.popen.wait(timeout=30) == 0
+    assert time.monotonic() - sent >= quiet  # it came after `sent`; the master waited its quiet period after it
+    assert "requests kept coming after the linger" in master.output()
 
 
 def test_a_draining_master_ends_what_outlives_its_deadline_and_exits_zero(make_fleet):

@@ -120,3 +120,20 @@ def test_dashboard_of_one_pipeline_has_its_name_and_stages_in_order():
     bad = omnifleet("dashboard", "-f", "-", stdin="apiVersion: omnifleet.dev/v1alpha1\nkind: OmniPipeline\n"
                                                   "metadata: {name: x}\nspec: {stages: []}\n")
     assert bad.returncode == 1 and "spec.stages" in bad.stderr
+
+
+def test_the_masters_drain_linger_comes_from_its_environment_and_a_bad_value_is_named(monkeypatch):
+    import pytest
+
+    from omnifleet_runtime import commands
+    from omnifleet_runtime import constants as C
+
+    monkeypatch.delenv(C.ENV_DRAIN_LINGER, raising=False)
+    assert commands._seconds(None, C.ENV_DRAIN_LINGER, C.MASTER_DRAIN_LINGER_S) == C.MASTER_DRAIN_LINGER_S
+    monkeypatch.setenv(C.ENV_DRAIN_LINGER, "15")
+    assert commands._seconds(None, C.ENV_DRAIN_LINGER, C.MASTER_DRAIN_LINGER_S) == 15.0
+    assert commands._seconds(2.0, C.ENV_DRAIN_LINGER, C.MASTER_DRAIN_LINGER_S) == 2.0  # the flag wins
+    for bad in ("soon", "-1", "nan", "inf"):
+        monkeypatch.setenv(C.ENV_DRAIN_LINGER, bad)
+        with pytest.raises(SystemExit, match=f"{C.ENV_DRAIN_LINGER}=.*number of seconds"):
+            commands._seconds(None, C.ENV_DRAIN_LINGER, C.MASTER_DRAIN_LINGER_S)
