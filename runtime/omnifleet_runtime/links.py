@@ -29,6 +29,7 @@ class Link:
         # Over one connection, pieces pay off only when encrypting; unencrypted, a whole frame needs no
         # reassembly copy.
         self.pieces_alone = encrypted
+        self.piece = stripes.PIECE_MAX_ENCRYPTED if encrypted else stripes.PIECE_MAX
         self.io_threads = max(1, ctx.get(zmq.IO_THREADS))
         self.socks: list[zsock.Socket] = []
         first = self._socket(0)
@@ -85,7 +86,7 @@ class Link:
 
     async def send(self, frames: list[Any], nbytes: int) -> None:
         if nbytes >= stripes.STRIPE_MIN_BYTES and (self.up > 1 or self.pieces_alone):
-            for sock, part in zip(self.socks, stripes.split(frames, self.up)):
+            for sock, part in zip(self.socks, stripes.split(frames, self.up, self.piece)):
                 await sock.send(part)
         else:
             await self.socks[0].send(frames)

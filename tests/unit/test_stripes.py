@@ -65,6 +65,17 @@ def test_pieces_are_at_most_four_mib_and_views_of_the_sender_frames():
     assert [bytes(memoryview(f)) for f in asm.add(received(parts[0]))] == frames
 
 
+def test_encrypted_links_split_into_smaller_pieces():
+    frames = [b"h" * 10, bytes(range(256)) * (9 << 12)]  # a 9 MiB buffer
+    parts = split(frames, 2, stripes.PIECE_MAX_ENCRYPTED)
+    pieces = [f for p in parts for f in p[1:]]
+    # 10 B, 2 MiB, 2 MiB, rest | 2 MiB, 2 MiB, rest
+    assert max(len(f) for f in pieces) == stripes.PIECE_MAX_ENCRYPTED == 2 << 20 and len(pieces) == 7
+    asm = Assembler(1 << 30, 64)
+    assert asm.add(received(parts[0])) is None
+    assert [bytes(memoryview(f)) for f in asm.add(received(parts[1]))] == frames
+
+
 def test_wire_messages_are_never_mistaken_for_parts():
     for msg in (wire.Data("r", 0, "a", 0, "x"), wire.Data("r", 0, "a", 1, eof=True)):
         assert not stripes.is_part(wire.encode(msg)[0])
@@ -114,6 +125,63 @@ def test_parts_that_disagree_repeat_or_overlap_are_refused():
     with pytest.raises(wire.WireError, match="overlap or leave gaps"):  # frame 1's 2nd half never comes
         asm.add([header(part=1, spans=[(0, 1)]), b"bc"])
     assert asm.held == 0 and not asm.open  # a message that cannot complete is not kept
+
+
+def test_pieces_that_overlap_and_leave_a_gap_of_the_same_size_are_refused():
+    """The byte count alone would pass: 4 + 4 bytes into a frame of 8, the second over the first's end. In a
+    reused buffer the gap would hold an earlier message's bytes."""
+    asm = Assembler(1 << 20, 64)
+    assert asm.add([header(sizes=[8], spans=[(0, 0)]), b"abcd"]) is None
+    with pytest.raises(wire.WireError, match="overlap or leave gaps"):
+        asm.add([header(part=1, sizes=[8], spans=[(0, 2)]), b"efgh"])
+    assert asm.held == 0 and not asm.open
+
+
+def big_message(fill: int) -> list:
+    return [b"h" * 10, bytes([fill]) * (9 << 20)]  # a 9 MiB frame: split, so reassembled
+
+
+def test_a_reassembly_buffer_is_reused_once_nothing_refers_to_it():
+    parts = split(big_message(1), 2)
+    asm = Assembler(1 << 30, 64)
+    assert asm.add(received(parts[0])) is None
+    first = asm.add(received(parts[1]))
+    assert bytes(memoryview(first[1])[:3]) == b"\x01" * 3
+    was = id(first[1])
+    del first
+    parts = split(big_message(2), 2)
+    asm.add(received(parts[1]))
+    second = asm.add(received(parts[0]))
+    assert id(second[1]) == was and asm.pool.reused == 1  # the same resident buffer, not a fresh map
+    assert bytes(memoryview(second[1])) == bytes([2]) * (9 << 20)  # every byte this message's
+
+
+def test_a_reassembly_buffer_still_in_use_is_not_reused():
+    """Any view of it (a numpy array, a memoryview, a send in flight) keeps it: the next message gets its own,
+    and what the consumer holds does not change under it."""
+    import numpy
+
+    asm = Assembler(1 << 30, 64)
+    parts = split(big_message(1), 2)
+    asm.add(received(parts[0]))
+    held = numpy.frombuffer(asm.add(received(parts[1]))[1], numpy.uint8)  # only the array is kept
+    parts = split(big_message(2), 2)
+    asm.add(received(parts[0]))
+    second = asm.add(received(parts[1]))
+    assert asm.pool.reused == 0 and bytes(memoryview(second[1])) == bytes([2]) * (9 << 20)
+    assert int(held.min()) == int(held.max()) == 1
+
+
+def test_reassembly_buffers_kept_are_bounded_in_bytes_and_idle_time():
+    pool = stripes.Pool(max_bytes=20 << 20, idle_s=10)
+    for i, n in enumerate((8 << 20, 9 << 20, 10 << 20)):  # none in use once taken: the slots alone refer to them
+        pool.take(n, now=i)
+    assert sorted(len(b) for b, _ in pool.kept) == [9 << 20, 10 << 20]  # the oldest went: 27 MiB > 20 MiB
+    pool.trim(now=11.5)  # 9 MiB handed out at t=1, 10 MiB at t=2
+    assert [len(b) for b, _ in pool.kept] == [10 << 20]
+    pool.trim(now=12.5)
+    assert pool.kept == []
+    assert isinstance(pool.take(1 << 20), bytearray) and pool.kept == []  # small ones are not kept
 
 
 def test_what_waits_for_missing_parts_is_bounded_in_bytes_and_time():
