@@ -401,10 +401,11 @@ def bulk_fleet(kind: str, profile_dir: Path | None = None, env: dict[str, str] |
 
 
 def bulk_requests(fleet: C.Fleet, size: int, chunk: int, reps: int, time_s: float, warmup: bool = True,
-                  pids: dict[str, list[int]] | None = None) -> dict[str, Any]:
-    """reps requests of `size` bytes through the producer -> consumer pipeline; times and CPU deltas (sums)."""
+                  pids: dict[str, list[int]] | None = None, hold: float = 0.0) -> dict[str, Any]:
+    """reps requests of `size` bytes through the producer -> consumer pipeline; times and CPU deltas (sums).
+    hold: seconds the producer keeps each request before it returns."""
     client = C.HttpClient(fleet.api_port)
-    body = json.dumps({"model": "bench", "prompt": json.dumps({"n": size, "chunk": chunk})}).encode()
+    body = json.dumps({"model": "bench", "prompt": json.dumps({"n": size, "chunk": chunk, "hold": hold})}).encode()
     req = C.request_bytes("/v1/completions", body, fleet.api_port)
 
     def one() -> tuple[float, dict]:
@@ -581,17 +582,24 @@ def run_bulk(cfg: dict) -> dict[str, Any]:
         bg = max(sizes)
         C.log(f"control: 1 KiB requests while {C.fmt_size(bg)} messages stream over raw TCP elsewhere")
         control = master_cpu_under_load(fleets["tcp"], pids["tcp"], cfg["bulk_max_reps"], bg)
+        hold = C.pct(acc["tcp"][bg]["e2e"], 50)
+        C.log(f"control: 1 KiB requests the producer holds {hold * 1e3:.0f} ms, as long as a {C.fmt_size(bg)} one")
+        held = bulk_requests(fleets["tcp"], KIB, 0, cfg["bulk_max_reps"], cfg["bulk_time_s"] / 2, pids=pids["tcp"],
+                             hold=hold)
     finally:
         for srv in servers:
             srv.close()
         for f in fleets.values():
             f.stop()
     paths: dict[str, dict[int, Any]] = {}
-    m = control["master"]
-    control["master_cpu_per_req_idle_corrected"] = (m["cpu_s"] - idle["tcp"] * m["wall_s"]) / control["reps"]
-    control["master_bytes_per_req"] = control["master_bytes"] / control["reps"]
+    for ctl in (control, held):
+        m = ctl["master"]
+        ctl["master_cpu_per_req_idle_corrected"] = (m["cpu_s"] - idle["tcp"] * m["wall_s"]) / ctl["reps"]
+        ctl["master_bytes_per_req"] = ctl["master_bytes"] / ctl["reps"]
+    held["hold_s"] = hold
     C.log(f"control: master {us(control['master_cpu_per_req_idle_corrected'])} us CPU per 1 KiB request "
-          f"(idle-corrected) under background traffic")
+          f"(idle-corrected) under background traffic, {us(held['master_cpu_per_req_idle_corrected'])} us per "
+          f"1 KiB request held {hold * 1e3:.0f} ms")
     for kind, fleet_kind, *_ in BULK_PATHS:
         paths[kind] = {}
         for size, r in acc[kind].items():
@@ -608,6 +616,7 @@ def run_bulk(cfg: dict) -> dict[str, Any]:
                   f"{r['master_bytes_per_req']:.0f} B/req to the master")
     return {"raw": raw, "memcpy": memcpy, "paths": paths, "master_idle_cpu_per_s": idle,
             "control_1KiB_under_load": {k: v for k, v in control.items() if k not in ("threads",)},
+            "control_1KiB_held": {k: v for k, v in held.items() if k not in ("threads",)},
             "control_background": C.fmt_size(bg)}
 
 
@@ -712,6 +721,12 @@ def headline(lat: dict | None, bulk: dict | None, cfg: dict) -> dict[str, Any]:
         ctl = bulk["control_1KiB_under_load"]["master_cpu_per_req_idle_corrected"]
         h[f"master_cpu_per_req_tcp_{C.fmt_size(hi).replace(' ', '')}_over_1KiB_under_same_memory_traffic"] = round(
             p[hi]["master_cpu_per_req_idle_corrected"] / ctl, 3)
+        if "control_1KiB_held" in bulk:  # runs before it had none
+            held = bulk["control_1KiB_held"]["master_cpu_per_req_idle_corrected"]
+            h[f"master_cpu_per_req_tcp_{C.fmt_size(hi).replace(' ', '')}_over_1KiB_held_as_long"] = round(
+                p[hi]["master_cpu_per_req_idle_corrected"] / held, 3)
+            h["master_cpu_per_req_tcp_1KiB_held_over_1KiB"] = round(
+                held / p[lo]["master_cpu_per_req_idle_corrected"], 3)
         h["master_bytes_per_req_max_any_path"] = round(max(r["master_bytes_per_req"] for kind in bulk["paths"]
                                                            for r in bulk["paths"][kind].values()))
         h["master_bytes_per_req_min_any_path"] = round(min(r["master_bytes_per_req"] for kind in bulk["paths"]
@@ -808,6 +823,9 @@ def plots(res: dict, out_dir: Path, stem: str) -> list[str]:
         ctl = bulk["control_1KiB_under_load"]["master_cpu_per_req_idle_corrected"] * 1e6
         ax.axhline(ctl, color="k", ls=":", lw=1,
                    label=f"1 KiB requests while {bulk['control_background']} messages stream elsewhere")
+        if "control_1KiB_held" in bulk:
+            ax.axhline(bulk["control_1KiB_held"]["master_cpu_per_req_idle_corrected"] * 1e6, color="k", ls="--",
+                       lw=1, label=f"1 KiB requests held as long as a {bulk['control_background']} one")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes)
         ax.set_xticklabels([C.fmt_size(s) for s in sizes], fontsize=8)
@@ -860,7 +878,14 @@ def report(res: dict, cfg: dict, quick: bool, files: list[str]) -> str:
                          f">= 16 MiB ({each})", f"{h[k]:.2f}x", f">= {goal:g}x" if goal else "-",
                          verdict(h[k], goal, True) if goal else "-"])
     for k, v in h.items():
-        if k.startswith("master_cpu_per_req_") and "under" not in k:
+        if k.endswith("_held_as_long"):
+            rows.append(["control: master CPU/request, largest payload over 1 KiB requests that the producer holds "
+                         "as long as a largest-payload request takes (if ~1x, the rise comes with the request's "
+                         "duration, not its bytes)", f"{v:.2f}x", "-", "-"])
+        elif k == "master_cpu_per_req_tcp_1KiB_held_over_1KiB":
+            rows.append(["the same 1 KiB requests, held over not held: what the duration alone costs the master",
+                         f"{v:.2f}x", "-", "-"])
+        elif k.startswith("master_cpu_per_req_") and "under" not in k:
             rows.append([f"master CPU/request, largest over smallest payload, two pods ({k.split('_', 5)[5]}), "
                          "idle-corrected", f"{v:.2f}x", f"<= {GOAL_MASTER_CPU_FLAT:g}x (flat: 1x)",
                          verdict(v, GOAL_MASTER_CPU_FLAT, False)])
@@ -991,11 +1016,17 @@ def report(res: dict, cfg: dict, quick: bool, files: list[str]) -> str:
         rows.append([f"1 KiB while {bulk['control_background']} messages stream between two other processes",
                      us(ctl["master_cpu_per_req_idle_corrected"]), f"{ctl['master_bytes_per_req']:.0f}",
                      "", "", "", ""])
+        if "control_1KiB_held" in bulk:
+            held = bulk["control_1KiB_held"]
+            rows.append([f"1 KiB held {held['hold_s'] * 1e3:.0f} ms by the producer (a {bulk['control_background']} "
+                         "request's p50)", us(held["master_cpu_per_req_idle_corrected"]),
+                         f"{held['master_bytes_per_req']:.0f}", "", "", "", ""])
         idle = ", ".join(f"{k}: {v * 1e3:.2f} ms/s" for k, v in bulk["master_idle_cpu_per_s"].items())
         out += ["Master CPU per request (on-CPU ns of its threads, minus its idle rate measured on the same "
                 f"fleet: {idle}) and the bytes of messages it received per request "
-                "(`omnifleet_master_output_bytes_total`). The last row is the control: small requests while the "
-                "same bulk traffic runs between two processes that are not in the pipeline.", "",
+                "(`omnifleet_master_output_bytes_total`). The last rows are the controls: small requests while the "
+                "same bulk traffic runs between two processes that are not in the pipeline, and small requests "
+                "that last as long as the largest (the producer sleeps), with no traffic.", "",
                 C.md_table(["size", "two pods: master CPU/req (us)", "bytes to master/req", "one pod (shm): CPU/req",
                             "bytes/req", "CurveZMQ: CPU/req", "bytes/req"], rows), ""]
         rows = []

@@ -42,13 +42,16 @@ def _buffer(n: int) -> bytes:
 
 
 def produce(inputs, sampling_params, context):
-    """inputs: the prompt, JSON {"n": bytes, "chunk": 0 or frame size}.
+    """inputs: the prompt, JSON {"n": bytes, "chunk": 0 or frame size, "hold": seconds (optional)}.
 
     Returns {"t0": stamp, "data": N bytes} (one buffer, or a list of `chunk`-sized views of it).
     The buffer is made once per size, so the request measures the boundary, not the allocation.
+    `hold` keeps the request that long first (a small request that lasts as long as a big one).
     """
     spec = json.loads(inputs)
     n, chunk = int(spec["n"]), int(spec.get("chunk") or 0)
+    if spec.get("hold"):
+        time.sleep(float(spec["hold"]))
     buf = _buffer(n)
     if chunk:
         view = memoryview(buf)
