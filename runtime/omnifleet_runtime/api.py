@@ -161,7 +161,11 @@ class Api:
         first requests would get 503 no replica while another master serves), or MASTER_WARMUP_S after it
         started (then a stage without replicas gets its requests' clear 503s). Once ready it stays so: a
         stage lost later is the pipeline's outage (/ready), not this master's, and its clients get a 503
-        naming the stage, not a refused connection."""
+        naming the stage, not a refused connection. Draining, it is not ready: a terminating pod that is
+        still ready keeps getting new connections wherever no other master is ready (kube-proxy falls back
+        to terminating endpoints that serve), so its drain would end while they still come."""
+        if self.draining:
+            return web.json_response({"ready": False, "draining": True}, status=503)
         if not self.warm:
             missing = self._missing()
             if missing and time.monotonic() - self.started < C.MASTER_WARMUP_S:

@@ -23,6 +23,7 @@ from . import security, wire, zsock
 from .admin import Admin
 from .api import Api
 from .config import config_hash, stage_revisions
+from .httputil import GentleSite
 from .membership import Membership, Replica
 from .metrics import MasterMetrics
 from .orchestrator import Orchestrator
@@ -35,6 +36,7 @@ DRAIN_POLLS = 1000  # about a second of reading before a closed connection is ac
 REPROBE_DELAYS_S = (0.0, 0.002, 0.01, 0.05, 0.2, 1.0)
 REVISION_MAX_CHARS = 64  # a stage name or revision hash in a Register's revisions
 ANSWER_GRACE_S = 1.0  # for the handlers of requests ended at the drain deadline to write their answers
+CLOSE_GRACE_S = 1.0  # for connections taken just before the API port closed to send their request
 
 log = logging.getLogger("omnifleet.master")
 
@@ -330,7 +332,8 @@ class Master:
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None,
                                shutdown_timeout=2.0)
         await runner.setup()
-        await web.TCPSite(runner, self.host, self.api_port).start()
+        api_site = GentleSite(runner, self.host, self.api_port)
+        await api_site.start()
         admin = web.AppRunner(self.admin.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         await admin.setup()
         await web.TCPSite(admin, self.host, self.admin_port).start()
@@ -343,6 +346,7 @@ class Master:
         try:
             await stop.wait()
             await self.drain(drain_timeout_s, drain_linger_s, drain_quiet_s)
+            await api_site.close(CLOSE_GRACE_S)  # a request that came as the drain ended gets its 503 too
         finally:
             for t in tasks:
                 t.cancel()

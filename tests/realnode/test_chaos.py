@@ -47,11 +47,18 @@ def overall_timeout():  # this module's own bound, instead of the suite's 600 s
 
 @pytest.fixture(scope="module")
 def pipe(cluster, kube, model_dir: Path):
-    # This node's proxy has been seen still routing to a deleted master 5.5 s later while the engines kept
-    # both cores busy (a request reset as the master stopped listening after the 5 s default linger): the
-    # pipeline sets the longer linger such a cluster needs, as a platform team would.
+    # A deleted master was still reached 5.5 s later here (kube-proxy falls back to a terminating endpoint
+    # while it is ready and no other master is, until 3 probes 5 s apart have failed): the pipeline sets a
+    # longer linger through spec.master.env, as a platform team would.
     with deployed(cluster, kube, model_dir, slug="chaos", master_env={C.ENV_DRAIN_LINGER: "15"}) as p:
         yield p
+
+
+@pytest.fixture(autouse=True)
+def fresh_forwards(pipe):
+    """Port-forwards follow one pod, which an earlier test may have deleted: each test opens its own."""
+    pipe.close()
+    yield
 
 
 def record(key: str, counts: dict) -> None:

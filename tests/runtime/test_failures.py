@@ -319,6 +319,8 @@ def test_sigterm_to_the_master_drains_its_requests_and_exits_zero(make_fleet):
 
     status, body = wait_until(lambda: (r := fleet.get("/ready"))[0] == 503 and r, "/ready to turn 503")
     assert body["draining"] is True and body["message"] == "the master is shutting down"
+    # Not ready either: kube-proxy would otherwise keep sending it new connections while no other master is ready.
+    assert fleet.get("/readyz") == (503, {"ready": False, "draining": True})
     status, body = fleet.http("POST", "/v1/completions", {"model": "test", "prompt": "new"})
     assert status == 503 and "the master is shutting down" in body["error"]["message"]
     assert master.alive()  # still finishing the request it holds
