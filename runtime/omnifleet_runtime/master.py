@@ -311,11 +311,11 @@ class Master:
         # Connections routed here before the endpoint removal reached every proxy get a 503, not a reset.
         await asyncio.sleep(max(0.0, linger_until - time.monotonic()))
         # Requests still arriving mean some proxy still routes here: answer them until they stop.
-        before = None
+        before, waited = self.api.drain_arrivals, False
         while (now := time.monotonic()) < deadline and now - self.api.last_arrival < quiet_s:
-            before = self.api.drain_arrivals if before is None else before
+            waited = True
             await asyncio.sleep(min(deadline, self.api.last_arrival + quiet_s) - now)
-        if before is not None:
+        if waited:
             log.info("requests kept coming after the linger: %d more answered (503) until none came for %gs, "
                      "%.1fs after SIGTERM", self.api.drain_arrivals - before, quiet_s, time.monotonic() - start)
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from ..conftest import REPO
@@ -123,8 +124,6 @@ def test_dashboard_of_one_pipeline_has_its_name_and_stages_in_order():
 
 
 def test_the_masters_drain_linger_comes_from_its_environment_and_a_bad_value_is_named(monkeypatch):
-    import pytest
-
     from omnifleet_runtime import commands
     from omnifleet_runtime import constants as C
 
