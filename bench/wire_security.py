@@ -11,10 +11,11 @@ here. The control port uses CurveZMQ in both.
 1. Bulk: a producer stage returns N bytes, a consumer stage in another pod
    touches every page (bench.fns:produce/consume); the boundary time is stamped
    inside the stages. One buffer, and the same bytes in 4 MiB frames. Both
-   modes with the default `dataStreams` (8: a message of 8 MiB or more split
-   over eight connections, each on its own I/O thread), with 4 and with 1.
-   Ratio = throughput(curve) / throughput(plain-auth), default streams both,
-   goal >= 0.5; also curve over plain-auth on one connection.
+   modes with `dataStreams` left out (the default, from the machine's cores:
+   stripes.default_streams; a message of 8 MiB or more is split over that many
+   connections, each on its own I/O thread), with 8, 4 and 1.
+   Ratio = throughput(curve) / throughput(plain-auth), both as the default
+   sets them, goal >= 0.5; also curve over plain-auth on one connection.
 2. Per-hop latency: chains of 1 and 3 no-op stages; per hop =
    (p50(3 stages) - p50(1 stage)) / 2 over HTTP. Ratio = curve / plain-auth.
 
@@ -51,18 +52,26 @@ QUICK = dict(sizes=[16 * MIB, 64 * MIB], chunk=4 * MIB, reps=4, rounds=2, time_s
              lat_n=150, lat_warmup=10, lat_rounds=2, lat_time_s=10.0)
 
 
-STREAMS = 8  # the default of spec.security.dataStreams
+DEFAULT = None  # spec.security.dataStreams left out: the stage picks from its cores
 
 
-def spec(mode: str, streams: int = STREAMS) -> dict[str, Any]:
-    return {"security": {"dataPlane": mode, "dataStreams": streams}}
+def spec(mode: str, streams: int | None = DEFAULT) -> dict[str, Any]:
+    return {"security": {"dataPlane": mode, **({} if streams is None else {"dataStreams": streams})}}
 
 
-def variant(mode: str, streams: int) -> str:
-    return mode if streams == STREAMS else f"{mode}_{streams}"
+def variant(mode: str, streams: int | None) -> str:
+    return mode if streams is None else f"{mode}_{streams}"
 
 
-COUNTS = (STREAMS, *sorted({1, 4, 8} - {STREAMS}, reverse=True))  # the default first
+def streams_text(k: int | None) -> str:
+    if k is not None:
+        return f"{k} stream(s)"
+    from omnifleet_runtime.stripes import default_streams
+
+    return f"default ({default_streams(True)} / {default_streams(False)})"
+
+
+COUNTS = (DEFAULT, 8, 4, 1)  # the default first
 VARIANTS = [(m, s) for s in COUNTS for m in MODES]
 
 
@@ -113,7 +122,8 @@ def run_bulk(cfg: dict) -> dict[str, Any]:
                          **{f"{v}_p50_s": t[v] for v in names},
                          **{f"{v}_gib_s": size / t[v] / (1 << 30) for v in names},
                          "ratio": t["plain-auth"] / t["curve"],
-                         **{f"ratio_{k}": t[variant("plain-auth", k)] / t[variant("curve", k)] for k in COUNTS},
+                         **{f"ratio_{k}": t[variant("plain-auth", k)] / t[variant("curve", k)] for k in COUNTS
+                            if k is not None},
                          "ratio_one_plain": t["plain-auth_1"] / t["curve"]})
             C.log(f"{C.fmt_size(size)} {'frames ' + C.fmt_size(chunk) if chunk else 'one buffer'}: "
                   + ", ".join(f"{v} {rows[-1][v + '_gib_s']:.2f}" for v in names)
@@ -221,16 +231,17 @@ def report(res: dict, quick: bool) -> str:
              "CurveZMQ (`dataPlane: curve`) against the data plane without encryption (`plain-auth`), same run, "
              "interleaved rounds. Two pods on loopback; control port CurveZMQ in both.", "",
              C.facts_table(C.machine_facts()), "", "## Bulk (boundary time, p50)", ""]
-    lines.append(f"GiB/s as curve / plain-auth, and their ratio, per `dataStreams` (default {STREAMS}; the goal, "
-                 ">= 0.5, is for the default); last: curve with the default over plain-auth on one connection.")
+    lines.append("GiB/s as curve / plain-auth, and their ratio, per `dataStreams` (default: left out, the streams "
+                 "the stages pick from this machine's cores, curve / plain-auth; the goal, >= 0.5, is for the "
+                 "default); last: curve with the default over plain-auth on one connection.")
     lines.append("")
     lines.append(C.md_table(
-        ["size", "framing", *[h for k in COUNTS for h in (f"{k} stream(s)", f"ratio, {k}")],
-         f"curve {STREAMS} / plain-auth 1", "reps"],
+        ["size", "framing", *[h for k in COUNTS for h in (streams_text(k), f"ratio, {k or 'default'}")],
+         "curve default / plain-auth 1", "reps"],
         [[C.fmt_size(r["size"]), f"{C.fmt_size(r['chunk'])} frames" if r["chunk"] else "one buffer",
           *[c for k in COUNTS for c in (
               f"{r[variant('curve', k) + '_gib_s']:.2f} / {r[variant('plain-auth', k) + '_gib_s']:.2f}",
-              f"{r[f'ratio_{k}']:.2f}")],
+              f"{r['ratio' if k is None else f'ratio_{k}']:.2f}")],
           f"{r['ratio_one_plain']:.2f}", r["reps"]]
          for r in res["bulk"]["rows"]]))
     lat = res["latency"]

@@ -595,11 +595,14 @@ class Security(Model):
         "the pipeline's token: authenticated, not encrypted; for networks that already encrypt, e.g. a service "
         "mesh or WireGuard). The master's control port always uses CurveZMQ.",
     )
-    data_streams: int = Field(
-        8, ge=1, le=16,
+    data_streams: int | None = Field(
+        None, ge=1, le=16,
         description="Connections from a stage to each downstream data port. A message of 8 MiB or more is split "
         "over them, each encrypted and decrypted on its own I/O thread (CurveZMQ moves about 1 GiB/s per core, "
-        "so one connection caps an encrypted route there); the stage's container gets as many ZMQ I/O threads.",
+        "so one connection caps an encrypted route there); the stage's container gets as many ZMQ I/O threads. "
+        "Default: from the CPUs the stage's container may use (its CPU limit, else the node's), at most 8: one "
+        "per CPU with curve, one per two CPUs with plain-auth (unencrypted, one connection moves a buffer whole, "
+        "with no reassembly copy).",
     )
     check_peer_address: bool = Field(
         True,

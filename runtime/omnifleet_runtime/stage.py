@@ -199,7 +199,7 @@ class StageWorker:
         self.doc = doc
         self.keys, self.max_frame_bytes = keys, max_frame_bytes
         self.data_plane = doc.spec.security.data_plane
-        self.streams = doc.spec.security.data_streams
+        self.streams = doc.spec.security.data_streams or stripes.default_streams(self.data_plane == security.CURVE)
         self.assembler = stripes.Assembler(stripes.held_bound(max_frame_bytes), C.MAX_FRAMES)
         self.copy_pool: ThreadPoolExecutor | None = None  # puts split buffers back together, off the loop
         self.copy_tasks: set[asyncio.Task] = set()
@@ -284,7 +284,8 @@ class StageWorker:
         else:  # 0: any free port (local runs and tests)
             port = self.data.bind_to_random_port(f"tcp://{self.host}")
         self.data_addr = f"tcp://{self.advertise_host}:{port}"
-        log.info("stage %s/%s: engine loaded, data port %s", self.stage.name, self.replica, self.data_addr)
+        log.info("stage %s/%s: engine loaded, data port %s (%s, %d stream(s) to each downstream port)",
+                 self.stage.name, self.replica, self.data_addr, self.data_plane, self.streams)
         metrics_runner = await self._serve_metrics(on_metrics)
         if on_ready:
             on_ready()

@@ -31,3 +31,27 @@ def test_large_chunks_cross_several_connections_exactly_and_in_order(make_fleet,
     # the later requests' large chunks came split: 3 per request once all four streams were up
     assert dst.value("omnifleet_worker_striped_messages_total", stage="dst") >= 3
     assert dst.value("omnifleet_worker_received_bytes_total", stage="dst", src="src") >= 3 * sum(STRIPED_SIZES)
+
+
+@pytest.mark.parametrize("plane", ["curve", "plain-auth"])
+def test_streams_left_out_follow_the_stage_cores(make_fleet, plane):
+    """Without dataStreams, a stage opens default_streams(...) connections for this machine's cores: over one
+    unencrypted connection a large chunk goes whole (never split); over several, split."""
+    from omnifleet_runtime.stripes import default_streams
+
+    streams = default_streams(plane == "curve")  # the stage processes run on this machine
+    doc = pipeline(stage("src", "striped_source"), stage("dst", "striped_check", inputs=["src"], finalOutput="text"))
+    doc["spec"]["security"] = {"dataPlane": plane}
+    fleet = make_fleet(doc)
+    fleet.start_master()
+    fleet.start_pod("pod-src", "src")
+    fleet.start_pod("pod-dst", "dst")
+    fleet.wait_ready()
+    want = "".join(f"{i}:{n}:True;" for i, n in enumerate(STRIPED_SIZES))
+    for _ in range(3):
+        assert fleet.openai(timeout=120).completions.create(model="test", prompt="x").choices[0].text == want
+    striped = Scrape(fleet.metrics_ports["pod-dst"]).value("omnifleet_worker_striped_messages_total", stage="dst")
+    if streams == 1 and plane == "plain-auth":
+        assert striped == 0
+    else:  # split over the streams, or into pieces over one encrypted connection
+        assert striped >= 3

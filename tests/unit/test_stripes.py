@@ -4,6 +4,7 @@ and every malformed or hostile part refused (WireError) with what is held bounde
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import msgspec
@@ -200,3 +201,43 @@ def test_a_stage_takes_a_message_of_its_largest_frame_split():
     asm = Assembler(stripes.held_bound(C.MAX_DATA_FRAME_BYTES), C.MAX_FRAMES)
     first = [header(sizes=[100, C.MAX_DATA_FRAME_BYTES], spans=[(0, 0), (1, 0)]), b"h" * 100, b"x" * 10]
     assert asm.add(first) is None and asm.held == 100 + C.MAX_DATA_FRAME_BYTES  # mapped, not touched
+
+
+@pytest.mark.parametrize("cores, curve, plain", [(1, 1, 1), (2, 2, 1), (3, 3, 1), (4, 4, 2), (16, 8, 8), (192, 8, 8)])
+def test_default_streams_follow_the_cores(cores, curve, plain):
+    assert stripes.default_streams(True, cores) == curve
+    assert stripes.default_streams(False, cores) == plain
+
+
+def test_default_streams_use_this_process_cores():
+    cores = stripes.usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    assert stripes.default_streams(True) == stripes.default_streams(True, cores)
+
+
+def _cgroups(tmp_path, proc: str, files: dict[str, str]):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "proc").write_text(proc)
+    for rel, text in files.items():
+        path = tmp_path / "fs" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return stripes.cgroup_cpu_quota(str(tmp_path / "fs"), str(tmp_path / "proc"))
+
+
+def test_cgroup_v2_quota_is_the_smallest_on_the_path(tmp_path):
+    # a pod's limit of 2.5 CPUs above a container without one of its own
+    got = _cgroups(tmp_path, "0::/kubepods/pod1/ctr\n", {
+        "kubepods/pod1/cpu.max": "250000 100000\n", "kubepods/pod1/ctr/cpu.max": "max 100000\n",
+        "kubepods/cpu.max": "800000 100000\n"})
+    assert got == 2.5
+
+
+def test_cgroup_v1_quota_and_no_quota(tmp_path):
+    v1 = _cgroups(tmp_path / "a", "4:cpu,cpuacct:/docker/x\n2:memory:/docker/x\n", {
+        "cpu,cpuacct/docker/x/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n"})
+    assert v1 == 1.5
+    unlimited = _cgroups(tmp_path / "b", "1:cpu:/\n0::/\n", {"cpu/cpu.cfs_quota_us": "-1\n",
+                                                               "cpu/cpu.cfs_period_us": "100000\n"})
+    assert unlimited is None
+    assert _cgroups(tmp_path / "c", "garbage\n0::/x\n", {"x/cpu.max": "not numbers\n"}) is None
