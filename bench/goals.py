@@ -86,7 +86,9 @@ GOALS: tuple[Goal, ...] = (
          "126 us and 0.59 ms at 165f165, 4.67x; 104 us and 0.50 ms at d112e00, 4.78x, and 99 us and 0.49 ms at "
          "b3696ab (the same code an hour later), 4.94x; 130 us and 0.63 ms at dd71511 (nothing on this path changed), "
          "4.84x; on a slower kernel build (6.18.44-fc-v1272) 124 us and 0.68 ms at 80325a6, 5.50x, and 130 us "
-         "and 0.61 ms at 629d917 (only the master's drain changed), 4.71x: the reports' cpu and kernel rows)"),
+         "and 0.61 ms at 629d917 (only the master's drain changed), 4.71x, and 128 us and 0.54 ms at 29b69c4 (one "
+         "I/O thread per unencrypted stage on two cores, where there were eight), 4.20x: the reports' cpu and kernel "
+         "rows)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -104,7 +106,11 @@ GOALS: tuple[Goal, ...] = (
          "at d112e00 where it read 0.64-0.71x, 0.64-1.07x at b3696ab (the same code) where it read 0.47-0.63x, "
          "0.60-1.13x at dd71511 where it read 0.41-0.73x, 0.57-0.95x at 80325a6 where it read 0.57-0.70x (since "
          "80325a6 the receiver reuses its reassembly buffers instead of faulting in fresh ones), 0.72-1.04x at "
-         "629d917 where it read 0.70-0.95x"),
+         "629d917 where it read 0.70-0.95x. Since 29b69c4 an unencrypted stage on two cores opens one connection "
+         "(dataStreams left out: one per two cores), which carries a buffer whole, no reassembly copy: 0.90x, "
+         "0.75x and 1.01x at 16, 64 and 256 MiB (3.51, 3.31 and 3.59 GB/s, where 629d917 moved 2.60, 2.85 and 3.31); "
+         "the 64 MiB miss is against a raw TCP run of 4.44 GB/s, where the same report's 16 and 256 MiB read 3.89 "
+         "and 3.56"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -126,7 +132,8 @@ GOALS: tuple[Goal, ...] = (
          "1.92x at 0377d00 (2.61x without it), 1.56x at 0ed41f2 (2.89x without it), 1.66x at 165f165 (2.14x without "
          "it), 3.60x at d112e00 (3.11x without it), 2.90x at b3696ab (3.17x without it), 1.71x at dd71511 (4.30x "
          "without it), 1.71x at 80325a6 (1.81x without it), 1.71x at 629d917 (2.63x without it; there the held "
-         "1 KiB requests cost 1.95x those not held, and 256 MiB over them read 1.35x)"),
+         "1 KiB requests cost 1.95x those not held, and 256 MiB over them read 1.35x), 1.85x at 29b69c4 (1.94x "
+         "without it; held over not held 1.53x, 256 MiB over the held 1.27x)"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
@@ -137,8 +144,8 @@ GOALS: tuple[Goal, ...] = (
          "57b1033, 1.87x at 16 MiB; 2.08x at 16 MiB and 2.00x at 64 MiB at 9df8e95; 1.96x at 0377d00, 1.88x at "
          "0ed41f2: met; 2.35x at 16 MiB and 1.65x at 64 MiB at 165f165; 1.93x at 16 MiB at d112e00: met, 2.11x at 1 "
          "MiB, outside the goal's sizes; 2.53x at 16 MiB and 1.79x at 64 MiB at b3696ab, the same code an hour "
-         "later; 2.04x at 16 MiB and 1.57x at 64 MiB at dd71511); from 256 MiB it meets. Not measured again since "
-         "80325a6 and 629d917 changed the runtime: no GPU machine was lent those sessions"),
+         "later; 2.04x at 16 MiB and 1.57x at 64 MiB at dd71511; 1.71x at 16 MiB and 1.68x at 64 MiB at 29b69c4: "
+         "met); from 256 MiB it meets"),
     Goal("GPU stages in two pods through the runtime / slowest raw link, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _LINK_KEYS, ">=", 0.8, label=_LINK_LABEL,
          why_missed="at 16 MiB the runtime's fixed cost per hop (1.1-2.7 ms: the co-located column of the same "
@@ -148,8 +155,8 @@ GOALS: tuple[Goal, ...] = (
          "b3696ab, the same code, 0.81x at dd71511: met); from 64 MiB the split data path (8 streams) "
          "outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074, "
          "2.4-2.7x at 57b1033, 2.6-2.8x at 9df8e95, 2.4-3.0x at 0377d00, 2.5-2.7x at 0ed41f2, 2.4-2.6x at 165f165, "
-         "2.4-2.5x at d112e00, 2.7-3.1x at b3696ab, 2.4-2.9x at dd71511). Not measured again since 80325a6 "
-         "reused reassembly buffers (nor since 629d917): no GPU machine was lent those sessions"),
+         "2.4-2.5x at d112e00, 2.7-3.1x at b3696ab, 2.4-2.9x at dd71511, 2.6-2.8x at 29b69c4, where 16 MiB read "
+         "0.58x: 2.59 GB/s, with the co-located hop at 1.26 ms)"),
     Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
@@ -164,7 +171,11 @@ GOALS: tuple[Goal, ...] = (
          "reused reassembly buffers), measured on the 2-core machine (no GPU host was lent that session): 0.31-0.38x, "
          "CurveZMQ 0.79-0.97 GiB/s with 8 streams, about what it moves on one (0.71-0.93): two cores are the "
          "ceiling there (raw pyzmq: 0.25-0.35x at every K, 0.82-1.03 GiB/s); at 629d917 on the same machine 0.35-0.37x "
-         "(0.93-1.05 GiB/s with 8 streams; raw pyzmq 0.25-0.31x at every K, 1.00-1.15 GiB/s)"),
+         "(0.93-1.05 GiB/s with 8 streams; raw pyzmq 0.25-0.31x at every K, 1.00-1.15 GiB/s). At 29b69c4 on the "
+         "H200 host (16 cores: the default is 8 streams in both modes) 0.39x (0.46x at 16 MiB; CurveZMQ 2.3-4.3 "
+         "GiB/s, 0.78-1.41x plain-auth on one connection; raw ceiling 0.18-0.21x at every K); on the 2-core "
+         "machine the same commit read 0.30-0.32x, its default there two CurveZMQ connections against one "
+         "plain-auth connection (in git at the commit that recorded the AMD run, then replaced by the H200's)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
@@ -175,7 +186,7 @@ GOALS: tuple[Goal, ...] = (
          "later on the same code path, 0.79-1.05x at 9df8e95 (0.89x), 0.78-1.34x at 0377d00 (0.93x, met), "
          "0.76-1.13x at 0ed41f2 (0.92x, met), 0.41-0.99x at 165f165 (0.91x, met), 0.87-1.00x at d112e00 (0.94x, "
          "met), 0.84-0.99x at b3696ab, the same code (0.91x, met), 0.80-1.00x at dd71511 (0.91x, met), 0.81-1.08x "
-         "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met). "
+         "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met), 0.93-1.14x at 29b69c4 (1.00x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -195,7 +206,8 @@ GOALS: tuple[Goal, ...] = (
          "path took 3.2 ms (4.9 ms): the path shrank less than the engine's time; 1.73x at d112e00 (1.62-2.05x; "
          "first token 2.98 ms, first audio 5.67 ms), 1.72x at b3696ab, the same code (1.52-2.32x; 3.67 and 6.42 "
          "ms), 1.88x at dd71511 (1.32-2.10x; 3.47 and 6.86 ms), 1.76x at 80325a6 on a slower kernel build "
-         "(1.56-2.35x; 5.52 and 10.36 ms), 1.64x at 629d917 (1.35-2.03x; 4.73 and 7.68 ms). "
+         "(1.56-2.35x; 5.52 and 10.36 ms), 1.64x at 629d917 (1.35-2.03x; 4.73 and 7.68 ms), 1.70x at 29b69c4 "
+         "(1.50-1.89x; 4.38 and 7.96 ms). "
          "Before: 1.53x and 1.57x on an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
