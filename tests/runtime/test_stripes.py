@@ -2,7 +2,8 @@
 
 Real master and stage processes over real sockets: CurveZMQ data ports with four streams, chunks of
 24, 12 and 9 MiB (split) between small ones (not split, free to overtake the parts of a large one).
-The downstream stage must see every chunk exactly, in the order the upstream produced them. The
+The downstream stage must see every chunk exactly, in the order the upstream produced them; and so with
+dataStreams left out, where the stages pick their connections from this machine's cores. The
 Assembler's bounds are unit-checked in tests/unit/test_stripes.py.
 """
 
@@ -14,10 +15,10 @@ from fleet_harness import Scrape, pipeline, stage
 from stagefns import STRIPED_SIZES
 
 
-@pytest.mark.parametrize("plane", ["curve", "plain-auth"])
-def test_large_chunks_cross_several_connections_exactly_and_in_order(make_fleet, plane):
+def striped_fleet(make_fleet, security: dict):
+    """src -> dst in two pods; three requests, each answered exactly (every chunk, in order)."""
     doc = pipeline(stage("src", "striped_source"), stage("dst", "striped_check", inputs=["src"], finalOutput="text"))
-    doc["spec"]["security"] = {"dataPlane": plane, "dataStreams": 4}
+    doc["spec"]["security"] = security
     fleet = make_fleet(doc)
     fleet.start_master()
     fleet.start_pod("pod-src", "src")
@@ -25,8 +26,13 @@ def test_large_chunks_cross_several_connections_exactly_and_in_order(make_fleet,
     fleet.wait_ready()
     want = "".join(f"{i}:{n}:True;" for i, n in enumerate(STRIPED_SIZES))
     for _ in range(3):  # the first request opens the streams one by one; later ones find them all up
-        out = fleet.openai(timeout=120).completions.create(model="test", prompt="x")
-        assert out.choices[0].text == want
+        assert fleet.openai(timeout=120).completions.create(model="test", prompt="x").choices[0].text == want
+    return fleet
+
+
+@pytest.mark.parametrize("plane", ["curve", "plain-auth"])
+def test_large_chunks_cross_several_connections_exactly_and_in_order(make_fleet, plane):
+    fleet = striped_fleet(make_fleet, {"dataPlane": plane, "dataStreams": 4})
     dst = Scrape(fleet.metrics_ports["pod-dst"])
     # the later requests' large chunks came split: 3 per request once all four streams were up
     assert dst.value("omnifleet_worker_striped_messages_total", stage="dst") >= 3
@@ -40,16 +46,7 @@ def test_streams_left_out_follow_the_stage_cores(make_fleet, plane):
     from omnifleet_runtime.stripes import default_streams
 
     streams = default_streams(plane == "curve")  # the stage processes run on this machine
-    doc = pipeline(stage("src", "striped_source"), stage("dst", "striped_check", inputs=["src"], finalOutput="text"))
-    doc["spec"]["security"] = {"dataPlane": plane}
-    fleet = make_fleet(doc)
-    fleet.start_master()
-    fleet.start_pod("pod-src", "src")
-    fleet.start_pod("pod-dst", "dst")
-    fleet.wait_ready()
-    want = "".join(f"{i}:{n}:True;" for i, n in enumerate(STRIPED_SIZES))
-    for _ in range(3):
-        assert fleet.openai(timeout=120).completions.create(model="test", prompt="x").choices[0].text == want
+    fleet = striped_fleet(make_fleet, {"dataPlane": plane})
     striped = Scrape(fleet.metrics_ports["pod-dst"]).value("omnifleet_worker_striped_messages_total", stage="dst")
     if streams == 1 and plane == "plain-auth":
         assert striped == 0
