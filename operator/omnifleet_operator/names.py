@@ -63,6 +63,10 @@ def data_port_name(index: int) -> str:
     return C.PORT_NAME_DATA if index == 0 else f"{C.PORT_NAME_DATA}-{index}"
 
 
+def bulk_port_name(index: int) -> str:
+    return C.PORT_NAME_BULK if index == 0 else f"{C.PORT_NAME_BULK}-{index}"
+
+
 def check_names(doc: OmniPipeline) -> list[Problem]:
     """Every generated name must be a DNS-1035 label (Services demand it)."""
     name = doc.metadata.name

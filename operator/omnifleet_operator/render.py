@@ -435,8 +435,7 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
     for s in group:
         args += ["--stage", s.name]
     args += ["--master", names.masters_address(p, namespace_of(doc))]
-    ports = [{"name": names.data_port_name(i), "containerPort": C.STAGE_DATA_PORT + i, "protocol": "TCP"}
-             for i in range(len(group))]
+    ports = [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in zmq_ports(doc, len(group))]
     ports.append({"name": C.PORT_NAME_HEALTH, "containerPort": C.STAGE_HEALTH_PORT, "protocol": "TCP"})
     ports.append({"name": C.PORT_NAME_METRICS, "containerPort": C.STAGE_METRICS_PORT, "protocol": "TCP"})
     pod_ip = {"name": C.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -508,11 +507,20 @@ def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None =
     return with_template_hash({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec})
 
 
+def zmq_ports(doc: OmniPipeline, stages: int) -> list[tuple[str, int]]:
+    """(name, port) of a stage pod's ZMQ ports: a data port per co-located stage, and with a `curve` data plane
+    a bulk port beside each (large messages, AES-GCM sealed, their keys over the data port's CurveZMQ)."""
+    ports = [(names.data_port_name(i), C.STAGE_DATA_PORT + i) for i in range(stages)]
+    if doc.spec.security.data_plane == "curve":
+        ports += [(names.bulk_port_name(i), C.STAGE_DATA_PORT + C.BULK_PORT_OFFSET + i) for i in range(stages)]
+    return ports
+
+
 def build_stage_service(doc: OmniPipeline, host: str, owner_uid: str | None = None) -> Obj:
     """Headless: stage replicas reach each other's data ports directly, pod to pod."""
     group = doc.spec.group(host)
-    ports = [{"name": names.data_port_name(i), "port": C.STAGE_DATA_PORT + i,
-              "targetPort": names.data_port_name(i), "protocol": "TCP"} for i in range(len(group))]
+    ports = [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+             for name, port in zmq_ports(doc, len(group))]
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": metadata(doc, names.stage_name(doc.metadata.name, host),
@@ -578,7 +586,7 @@ def build_network_policy(doc: OmniPipeline, owner_uid: str | None = None) -> Obj
     p = doc.metadata.name
     max_group = max(len(doc.spec.group(h.name)) for h in doc.spec.hosts())
     internal = [{"protocol": "TCP", "port": C.PORT_NAME_CONTROL}] + [
-        {"protocol": "TCP", "port": names.data_port_name(i)} for i in range(max_group)]
+        {"protocol": "TCP", "port": name} for name, _ in zmq_ports(doc, max_group)]
     sources = [peer.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
                for peer in doc.spec.master.admin_sources]
     admin = [{"from": sources, "ports": [{"protocol": "TCP", "port": C.PORT_NAME_ADMIN}]}] if sources else []

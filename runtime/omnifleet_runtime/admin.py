@@ -125,7 +125,7 @@ class Admin:
         out = {}
         for s in self.spec.stages:
             out[s.name] = [
-                {"replica": r.replica, "data_addr": r.data_addr, "inflight": r.outstanding,
+                {"replica": r.replica, "data_addr": r.data_addr, "bulk_addr": r.bulk_addr, "inflight": r.outstanding,
                  "queue_depth": r.queue_depth, "draining": r.draining}
                 for r in self.orch.membership.replicas(s.name)
             ]

@@ -18,6 +18,8 @@ MASTER_API_PORT = 8000
 MASTER_CONTROL_PORT = 5570  # ROUTER: registration, heartbeats, requests and results
 MASTER_ADMIN_PORT = 8001  # HTTP /v1/stages and control RPCs; not in the master Service clients use
 STAGE_DATA_PORT = 5580  # first stage data port in a pod; co-located stages add their index
+# A `curve` pipeline's stage also listens on its data port + this: the bulk port (seal.py).
+BULK_PORT_OFFSET = 100
 STAGE_HEALTH_PORT = 8081  # HTTP /livez and /readyz of a stage pod
 STAGE_METRICS_PORT = 8082  # HTTP /metrics of a stage pod (the master's are on its API port)
 
@@ -25,6 +27,7 @@ PORT_NAME_HTTP = "http"
 PORT_NAME_CONTROL = "zmq-control"
 PORT_NAME_ADMIN = "admin"
 PORT_NAME_DATA = "zmq-data"
+PORT_NAME_BULK = "zmq-bulk"
 PORT_NAME_HEALTH = "health"
 PORT_NAME_METRICS = "metrics"
 

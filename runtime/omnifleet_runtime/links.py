@@ -5,6 +5,10 @@ one is pinned to its own libzmq I/O thread and connected only once the
 previous handshake is done: the receiver hands an accepted connection to its
 least loaded I/O thread, and connections that arrive together would all land
 on the same one.
+
+A link of a `curve` pipeline to a stage that has a bulk port carries messages of
+seal.SEAL_MIN_BYTES or more there instead, sealed with AES-GCM (seal.py): the
+CurveZMQ connection carries each one's key and layout.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any, Callable
 
 import zmq
 
-from . import stripes, zsock
+from . import seal, stripes, zsock
 
 log = logging.getLogger("omnifleet.links")
 
@@ -24,8 +28,8 @@ HANDSHAKE_WAIT_S = 5.0  # a connection not up by then ends the growing; the ones
 
 class Link:
     def __init__(self, ctx: zmq.Context, addr: str, streams: int, secure: Callable[[zmq.Socket], None],
-                 encrypted: bool = True):
-        self.ctx, self.addr, self.secure = ctx, addr, secure
+                 encrypted: bool = True, bulk: "Link | None" = None):
+        self.ctx, self.addr, self.secure, self.bulk = ctx, addr, secure, bulk
         # Over one connection, pieces pay off only when encrypting; unencrypted, a whole frame needs no
         # reassembly copy.
         self.pieces_alone = encrypted
@@ -85,13 +89,33 @@ class Link:
             self.up = len(self.socks)
 
     async def send(self, frames: list[Any], nbytes: int) -> None:
+        if self.bulk is not None and nbytes >= seal.SEAL_MIN_BYTES:
+            return await self._send_sealed(frames, nbytes)
         if nbytes >= stripes.STRIPE_MIN_BYTES and (self.up > 1 or self.pieces_alone):
             for sock, part in zip(self.socks, stripes.split(frames, self.up, self.piece)):
                 await sock.send(part)
         else:
             await self.socks[0].send(frames)
 
+    async def _send_sealed(self, frames: list[Any], nbytes: int) -> None:
+        """The Announce first, then each part as it is sealed: a few parts are sealed ahead, on the seal
+        threads, while earlier ones travel."""
+        msg = seal.Sealed(frames, nbytes)
+        await self.socks[0].send(msg.announce)
+        loop, threads = asyncio.get_running_loop(), seal.pool()
+        parts, ahead = len(msg.pieces), seal.threads() + 1
+        sealing = [loop.run_in_executor(threads, msg.seal, p, msg.buffers(p)) for p in range(min(ahead, parts))]
+        bulk = self.bulk
+        for p in range(parts):
+            part = await sealing[p]
+            if p + ahead < parts:
+                sealing.append(loop.run_in_executor(threads, msg.seal, p + ahead, msg.buffers(p + ahead)))
+            await bulk.socks[p % bulk.up].send(part)
+            del part
+
     def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
         if self.grow is not None:
             self.grow.cancel()
         # Now, not when the cancelled growing next runs (it may never run again): a monitor socket left

@@ -185,7 +185,8 @@ class Master:
                 self.membership.refused(msg.stage, reason, time.monotonic())
                 self.send(identity, wire.RegisterReply(False, self.master_id, C.PROTOCOL_VERSION, reason))
                 return
-            rep = Replica(msg.stage, msg.replica, identity, msg.data_addr, time.monotonic(), pid=msg.pid,
+            rep = Replica(msg.stage, msg.replica, identity, msg.data_addr, time.monotonic(), msg.bulk_addr,
+                          pid=msg.pid,
                           revision=msg.revision, announced=(msg.generation, tuple(sorted(msg.revisions.items()))))
             old = self.membership.join(rep)
             log.info("replica %s registered (data %s, pid %d)", rep, msg.data_addr, msg.pid)
@@ -203,11 +204,14 @@ class Master:
         replica id live on another connection is not taken over, and a stage's
         membership is bounded.
         """
-        host = data_host(msg.data_addr)
-        if host is None:
-            return f"data address {msg.data_addr!r} is not tcp://IP:PORT"
-        if peer is not None and host != peer and self.doc.spec.security.check_peer_address:
-            return f"data address {msg.data_addr} is not on this connection's peer address {peer}"
+        for what, addr in (("data", msg.data_addr), ("bulk", msg.bulk_addr)):
+            if what == "bulk" and not addr:
+                continue
+            host = data_host(addr)
+            if host is None:
+                return f"{what} address {addr!r} is not tcp://IP:PORT"
+            if peer is not None and host != peer and self.doc.spec.security.check_peer_address:
+                return f"{what} address {addr} is not on this connection's peer address {peer}"
         old = self.membership.find(msg.stage, msg.replica)
         if old is not None and old.identity != identity and self._reachable(old.identity):
             return (f"replica {msg.stage}/{msg.replica} is already registered from another live connection "

@@ -13,6 +13,7 @@ class Replica:
     identity: bytes  # ZMQ routing id of this registration
     data_addr: str
     last_seen: float
+    bulk_addr: str = ""
     pid: int = 0
     outstanding: int = 0  # stage tasks the master assigned and has not seen finish
     assigned: int = 0  # ever assigned; breaks ties so equal replicas take turns

@@ -198,6 +198,9 @@ class StageMetrics:
         self.striped_in = Counter("omnifleet_worker_striped_messages_total",
                                   "Data messages that came split over several connections and were put back "
                                   "together.", s, r)
+        self.sealed_parts = Counter("omnifleet_worker_sealed_parts_total",
+                                    "Parts of large data messages that came AES-GCM sealed on the bulk port and "
+                                    "opened (a `curve` pipeline).", s, r)
         self.rejected_frames = Counter("omnifleet_worker_rejected_frames_total",
                                        "Malformed or unexpected frames, by socket.", s + ("socket",), r)
         # Engine series: diffusion and audio stages (vLLM publishes its own `vllm:*`).

@@ -205,7 +205,8 @@ class Orchestrator:
                 "omnifleet.stage": name, "omnifleet.replica": rep.replica, "omnifleet.attempt": run.attempt})
             routes = [
                 wire.Route(d, plan[d].replica, plan[d].data_addr, local=plan[d].replica == rep.replica,
-                           cuda_ipc=plan[d].replica == rep.replica and self.spec.stage(d).type in CUDA_IPC_TYPES)
+                           cuda_ipc=plan[d].replica == rep.replica and self.spec.stage(d).type in CUDA_IPC_TYPES,
+                           bulk=plan[d].bulk_addr)
                 for d in self.downstream[name] if d in plan
             ]
             self.send(rep.identity, wire.Dispatch(

@@ -36,13 +36,13 @@ import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import zmq
 from aiohttp import web
 
 from . import constants as C
-from . import companions, discovery, security, shm, stripes, tracing, wire, zsock
+from . import companions, discovery, seal, security, shm, stripes, tracing, wire, zsock
 from .links import Link
 from .engines import BadInput, Engine, EngineRequest, EngineStartError, load_callable, make_engine
 from .metrics import CONTENT_TYPE, StageMetrics, audio_seconds
@@ -200,7 +200,12 @@ class StageWorker:
         self.keys, self.max_frame_bytes = keys, max_frame_bytes
         self.data_plane = doc.spec.security.data_plane
         self.streams = doc.spec.security.data_streams or stripes.default_streams(self.data_plane == security.CURVE)
+        # Connections to a bulk port (seal.py): unencrypted on the wire, the sealing is done by threads.
+        self.bulk_streams = doc.spec.security.data_streams or stripes.default_streams(False)
         self.assembler = stripes.Assembler(stripes.held_bound(max_frame_bytes), C.MAX_FRAMES)
+        self.opener = seal.Opener(self.assembler)
+        self.bulk: zsock.Socket | None = None
+        self.bulk_addr = ""
         self.copy_pool: ThreadPoolExecutor | None = None  # puts split buffers back together, off the loop
         self.copy_tasks: set[asyncio.Task] = set()
         self.dropped = 0
@@ -284,13 +289,26 @@ class StageWorker:
         else:  # 0: any free port (local runs and tests)
             port = self.data.bind_to_random_port(f"tcp://{self.host}")
         self.data_addr = f"tcp://{self.advertise_host}:{port}"
-        log.info("stage %s/%s: engine loaded, data port %s (%s, %d stream(s) to each downstream port)",
-                 self.stage.name, self.replica, self.data_addr, self.data_plane, self.streams)
+        if self.data_plane == security.CURVE:  # large messages come sealed, on the bulk port
+            self.bulk = zsock.Socket(self.ctx, zmq.PULL)
+            self.bulk.linger = 0
+            security.secure_server(self.bulk, self.keys, security.PLAIN_AUTH, self.max_frame_bytes)
+            if self.data_port:
+                self.bulk.bind(f"tcp://{self.host}:{self.data_port + C.BULK_PORT_OFFSET}")
+                bulk_port = self.data_port + C.BULK_PORT_OFFSET
+            else:
+                bulk_port = self.bulk.bind_to_random_port(f"tcp://{self.host}")
+            self.bulk_addr = f"tcp://{self.advertise_host}:{bulk_port}"
+        log.info("stage %s/%s: engine loaded, data port %s (%s, %d stream(s) to each downstream port)%s",
+                 self.stage.name, self.replica, self.data_addr, self.data_plane, self.streams,
+                 f", bulk port {self.bulk_addr} (AES-GCM, {self.bulk_streams} stream(s))" if self.bulk else "")
         metrics_runner = await self._serve_metrics(on_metrics)
         if on_ready:
             on_ready()
         tasks = [loop.create_task(self._masters_loop()), loop.create_task(self._data_loop()),
                  loop.create_task(self._gc_loop()), loop.create_task(self._engine_watch())]
+        if self.bulk is not None:
+            tasks.append(loop.create_task(self._bulk_loop()))
         await self.stopping.wait()
         if self.exit_code == 0:
             await self._drain()
@@ -307,6 +325,8 @@ class StageWorker:
         for link in self.peers.values():
             link.close()
         self.data.close(linger=0)
+        if self.bulk is not None:
+            self.bulk.close(linger=0)
         self.auth.stop()
         self.ctx.term()
         return self.exit_code
@@ -369,7 +389,7 @@ class StageWorker:
         return wire.StageHeartbeat(
             inflight=len(self.jobs), queue_depth=self.queued, draining=self.draining,
             bytes_tcp=self.bytes["tcp"], bytes_shm=self.bytes["shm"], bytes_master=self.bytes["master"],
-            dropped=self.dropped + self.assembler.dropped,
+            dropped=self.dropped + self.assembler.dropped + self.opener.dropped,
         )
 
     async def _send_master(self, msg: wire.Msg, session: MasterSession | None, block: bool = True) -> None:
@@ -499,7 +519,8 @@ class StageWorker:
     async def _register(self, sock: zsock.Socket) -> wire.RegisterReply:
         reg = wire.Register(
             stage=self.stage.name, replica=self.replica, protocol_version=C.PROTOCOL_VERSION,
-            config_hash=self.config_hash, data_addr=self.data_addr, pid=os.getpid(), engine=self.stage.type,
+            config_hash=self.config_hash, data_addr=self.data_addr, bulk_addr=self.bulk_addr, pid=os.getpid(),
+            engine=self.stage.type,
             revision=self.revisions[self.stage.name], generation=self.doc.metadata.generation or 0,
             revisions=self.revisions,
         )
@@ -909,14 +930,23 @@ class StageWorker:
     async def _send_peer(self, route: wire.Route, frames: list) -> None:
         link = self.peers.get(route.addr)
         if link is None:
-            link = self.peers[route.addr] = Link(self.ctx, route.addr, self.streams, lambda sock: security.secure_client(
-                sock, self.keys, self.data_plane, self.max_frame_bytes), encrypted=self.data_plane == security.CURVE)
+            link = self.peers[route.addr] = self._link(route)
             if len(self.peers) > PEER_SOCKETS_MAX:
                 self.peers.popitem(last=False)[1].close()
         self.peers.move_to_end(route.addr)
         nbytes = wire.frames_nbytes(frames)
         self.bytes["tcp"] += nbytes
         await link.send(frames, nbytes)
+
+    def _link(self, route: wire.Route) -> Link:
+        def secure(mode: str) -> Callable[[zmq.Socket], None]:
+            return lambda sock: security.secure_client(sock, self.keys, mode, self.max_frame_bytes)
+
+        curve = self.data_plane == security.CURVE
+        if curve and route.bulk:  # large messages go sealed over the bulk port: one CurveZMQ connection is enough
+            bulk = Link(self.ctx, route.bulk, self.bulk_streams, secure(security.PLAIN_AUTH), encrypted=False)
+            return Link(self.ctx, route.addr, 1, secure(security.CURVE), bulk=bulk)
+        return Link(self.ctx, route.addr, self.streams, secure(self.data_plane), encrypted=curve)
 
     # ------------------------------------------------------------ data port
 
@@ -929,6 +959,15 @@ class StageWorker:
             except zsock.Oversized as e:
                 log.warning("dropped a message on the data port: %s", e)
                 self.dropped += 1
+                continue
+            if seal.is_announce(frames[0]):
+                try:
+                    ready = self.opener.announce(frames)
+                except wire.WireError as e:
+                    self._rejected(e)
+                    continue
+                for opened in ready:
+                    self._unseal(*opened)
                 continue
             if not stripes.is_part(frames[0]):
                 self._on_data(frames)
@@ -944,6 +983,42 @@ class StageWorker:
                 task.add_done_callback(self.copy_tasks.discard)
             else:
                 self._assembled(key)
+
+    async def _bulk_loop(self) -> None:
+        """Sealed parts of large messages (seal.py), opened off the loop as their Announces allow."""
+        turns = Turns()
+        while True:
+            await turns.take()
+            try:
+                frames = await self.bulk.recv_message(C.MAX_FRAMES)
+            except zsock.Oversized as e:
+                log.warning("dropped a message on the bulk port: %s", e)
+                self.dropped += 1
+                continue
+            try:
+                opened = self.opener.bulk(frames)
+            except wire.WireError as e:
+                self._rejected(e)
+                continue
+            if opened is not None:
+                self._unseal(*opened)
+
+    def _unseal(self, key: bytes, aead: Any, part: int, copies: list) -> None:
+        task = asyncio.get_running_loop().create_task(self._open(key, aead, part, copies))
+        self.copy_tasks.add(task)
+        task.add_done_callback(self.copy_tasks.discard)
+
+    async def _open(self, key: bytes, aead: Any, part: int, copies: list) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(seal.pool(), seal.unseal, aead, part, copies)
+        except Exception as e:  # forged or altered (WireError), or a bug: the message is given up, not left open
+            self.assembler.forget(key)
+            if not isinstance(e, wire.WireError):
+                log.error("opening a sealed part failed", exc_info=e)
+            self._rejected(e)
+            return
+        self.metrics.sealed_parts.inc(stage=self.stage.name)
+        self._assembled(key)
 
     async def _assemble(self, key: bytes, copies: list) -> None:
         if self.copy_pool is None:
@@ -996,5 +1071,7 @@ class StageWorker:
                 self.ended.popitem(last=False)
             if n := self.assembler.expire():
                 log.warning("dropped %d data message(s) whose striped parts stopped coming", n)
+            if n := self.opener.expire():
+                log.warning("dropped %d sealed part(s) whose message was never announced", n)
             if n := shm.sweep(self.shm_prefix, older_than_s=SHM_LEFTOVER_AGE_S):
                 log.warning("swept %d shared-memory leftover(s) older than %.0fs", n, SHM_LEFTOVER_AGE_S)

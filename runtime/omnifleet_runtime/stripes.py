@@ -210,6 +210,13 @@ def copy(copies: list[tuple[memoryview, Any]]) -> None:
 def split(frames: list[Any], n: int, piece: int = PIECE_MAX) -> list[list[Any]]:
     """The message's frames as n parts of about equal bytes, in pieces of at most `piece` bytes (views of the
     frames: nothing is copied)."""
+    sizes, spans, pieces = layout(frames, n, piece)
+    key = os.urandom(16)
+    return [[MAGIC + _encoder.encode(StripeHeader(key, p, n, sizes, spans[p])), *pieces[p]] for p in range(n)]
+
+
+def layout(frames: list[Any], n: int, piece: int) -> tuple[list[int], list[list[tuple[int, int]]], list[list[Any]]]:
+    """Every frame's size, and each of n parts' spans (frame index, offset) and pieces (views)."""
     views = [memoryview(f).cast("B") for f in frames]
     sizes = [v.nbytes for v in views]
     per = -(-sum(sizes) // n)
@@ -228,8 +235,7 @@ def split(frames: list[Any], n: int, piece: int = PIECE_MAX) -> list[list[Any]]:
                 part, room = part + 1, per
             if off >= v.nbytes:
                 break
-    key = os.urandom(16)
-    return [[MAGIC + _encoder.encode(StripeHeader(key, p, n, sizes, spans[p])), *pieces[p]] for p in range(n)]
+    return sizes, spans, pieces
 
 
 class _Open:
@@ -263,19 +269,30 @@ class Assembler:
     def take(self, frames: list[Any], now: float | None = None) -> tuple[bytes, list[tuple[memoryview, Any]]]:
         """Check and record a part: its message's key, and the copies into split buffers it needs (made by
         the caller, on any thread, before `done(key)`). WireError for a part that is not valid."""
-        now = time.monotonic() if now is None else now
         try:
             h = _decoder.decode(memoryview(frames[0])[len(MAGIC):])
         except Exception as e:
             raise WireError(f"stripe header: {type(e).__name__}: {e}") from None
-        if len(h.key) != 16 or not 1 <= h.parts <= STREAMS_MAX or not 0 <= h.part < h.parts:
+        self.check(h, STREAMS_MAX)
+        return self.take_part(h, frames[1:], now)
+
+    def check(self, h: StripeHeader, parts_max: int) -> None:
+        """WireError unless the header's layout is one this receiver may allocate for."""
+        if len(h.key) != 16 or not 1 <= h.parts <= parts_max or not 0 <= h.part < h.parts:
             raise WireError(f"stripe header: part {h.part} of {h.parts}")
         if not 1 <= len(h.sizes) <= self.max_frames or min(h.sizes) < 0 or sum(h.sizes) > self.max_bytes:
             raise WireError(f"stripe header: {len(h.sizes)} frames of {sum(h.sizes)} bytes")
-        if len(h.spans) != len(frames) - 1:
-            raise WireError(f"stripe header: {len(h.spans)} spans for {len(frames) - 1} pieces")
-        for (i, off), piece in zip(h.spans, frames[1:]):
-            if not 0 <= i < len(h.sizes) or off < 0 or off + len(piece) > h.sizes[i]:
+
+    def take_part(self, h: StripeHeader, pieces: list[Any], now: float | None = None,
+                  overhead: int = 0) -> tuple[bytes, list[tuple[memoryview, Any]]]:
+        """`take` of a checked header and its pieces; with `overhead` (sealed pieces: each is that much longer
+        than the bytes it stands for) every piece is a copy (the caller decrypts it into place)."""
+        now = time.monotonic() if now is None else now
+        if len(h.spans) != len(pieces):
+            raise WireError(f"stripe header: {len(h.spans)} spans for {len(pieces)} pieces")
+        for (i, off), piece in zip(h.spans, pieces):
+            if not 0 <= i < len(h.sizes) or off < 0 or len(piece) < overhead or \
+                    off + len(piece) - overhead > h.sizes[i]:
                 raise WireError(f"stripe piece ({i}, {off}) of {len(piece)} bytes outside its frame")
         entry = self.open.get(h.key)
         if entry is None:
@@ -286,9 +303,9 @@ class Assembler:
             raise WireError(f"stripe part {h.part} came twice")
         entry.seen.add(h.part)
         grew, copies = 0, []
-        for (i, off), piece in zip(h.spans, frames[1:]):
-            n = len(piece)
-            if off == 0 and n == h.sizes[i] and entry.bufs[i] is None:
+        for (i, off), piece in zip(h.spans, pieces):
+            n = len(piece) - overhead
+            if not overhead and off == 0 and n == h.sizes[i] and entry.bufs[i] is None:
                 entry.bufs[i] = piece  # whole: kept as received
                 grew += n
             else:
@@ -340,6 +357,12 @@ class Assembler:
             self._forget(oldest)
             self.dropped += 1
             log.warning("dropped a split message whose parts were still coming: over %d bytes held", self.max_bytes)
+
+    def forget(self, key: bytes) -> None:
+        """Give up a message (one of its parts was not valid): what it held is let go."""
+        if key in self.open:
+            self._forget(key)
+            self.dropped += 1
 
     def _forget(self, key: bytes) -> None:
         entry = self.open.pop(key)

@@ -159,6 +159,7 @@ class Route(msgspec.Struct):
     addr: str
     local: bool = False  # same pod: bulk data goes through shared memory
     cuda_ipc: bool = False  # same pod and a consumer that takes CUDA tensors: they go by IPC handle
+    bulk: str = ""  # the replica's bulk port (a `curve` pipeline's sealed large messages: seal.py), if it has one
 
 
 # stage -> master (control socket)
@@ -171,6 +172,7 @@ class Register(Msg):
     config_hash: str
     data_addr: str
     pid: int = 0
+    bulk_addr: str = ""  # a `curve` pipeline's bulk port (seal.py); empty: none
     engine: str = ""
     # The replica's revision of its stage, and the revision of every stage in the config it runs, with that
     # config's generation: the master routes a request only through replicas of one such map.

@@ -8,13 +8,15 @@ compromised pod of the pipeline would.
 
 from __future__ import annotations
 
+import os
 import time
 
+import msgspec
 import zmq
 
 from fleet_harness import pipeline, stage, wait_until
 from omnifleet_runtime import constants as C
-from omnifleet_runtime import wire
+from omnifleet_runtime import seal, wire
 from omnifleet_runtime.config import config_hash, load_config
 
 QUIET_S = 3.0  # how long an attacker listens for anything at all
@@ -176,6 +178,39 @@ def test_plain_auth_data_plane_serves_and_refuses_a_wrong_token(make_fleet):
                    "the right token's garbage to reach the decoder")
     finally:
         ctx.destroy(linger=0)
+
+
+def test_bulk_port_opens_nothing_without_its_message_key(make_fleet):
+    """The bulk port (a `curve` pipeline's sealed large messages) is unencrypted ZMQ PLAIN: a sniffer may
+    learn its token. Even with it, a part nobody announced over CurveZMQ is only held, then dropped; and a
+    part whose key a keyed peer announces, but that was not sealed under it, does not open."""
+    fleet = two_stages(make_fleet)  # the default data plane: curve
+    b = fleet.stages()["b"][0]
+    assert b["bulk_addr"] and b["bulk_addr"] != b["data_addr"]
+    key = os.urandom(16)
+    ctx = zmq.Context()
+    try:
+        for token in (b"not-the-token-of-this-pipeline", fleet.keys.token):
+            sock = ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.plain_username, sock.plain_password = b"omnifleet", token
+            sock.connect(b["bulk_addr"])
+            try_send(sock, [seal.BULK_MAGIC + key + b"\x00\x00", os.urandom(seal.SEAL_MIN_BYTES + seal.TAG)])
+            try_send(sock, [b"\xc1garbage"])
+        wait_until(lambda: "not a sealed part" in fleet.procs["pod-b"].output(), "the token's garbage to be refused")
+        time.sleep(QUIET_S)
+        log = fleet.procs["pod-b"].output()
+        assert "does not open" not in log and "ignored data" not in log  # the forged part is held, unopened
+        # A keyed peer (a compromised pod) announces that key with a secret of its own: the part still fails.
+        announce = seal.Announce(key, os.urandom(32), [seal.SEAL_MIN_BYTES], [[(0, 0)]])
+        keyed = fleet.data_peer(ctx, b["data_addr"])  # kept: a socket collected is closed unsent (linger 0)
+        keyed.send_multipart([seal.ANNOUNCE_MAGIC + msgspec.msgpack.encode(announce)])
+        wait_until(lambda: "does not open under its message's key" in fleet.procs["pod-b"].output(),
+                   "the forged part to fail under the announced key")
+    finally:
+        ctx.destroy(linger=0)
+    assert "ignored data" not in fleet.procs["pod-b"].output()
+    assert fleet.openai().completions.create(model="test", prompt="ok").choices[0].text == "OK!"
 
 
 def rss_bytes(pid: int) -> int:

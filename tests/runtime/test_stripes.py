@@ -1,10 +1,12 @@
 """Large data messages split over several connections (spec.security.dataStreams) and put back together.
 
-Real master and stage processes over real sockets: CurveZMQ data ports with four streams, chunks of
-24, 12 and 9 MiB (split) between small ones (not split, free to overtake the parts of a large one).
-The downstream stage must see every chunk exactly, in the order the upstream produced them; and so with
-dataStreams left out, where the stages pick their connections from this machine's cores. The
-Assembler's bounds are unit-checked in tests/unit/test_stripes.py.
+Real master and stage processes over real sockets: four streams, chunks of 24, 12 and 9 MiB (split)
+between small ones (not split, free to overtake the parts of a large one). With `curve` the large
+chunks go AES-GCM sealed over the bulk port (seal.py), their keys over CurveZMQ; with `plain-auth`
+striped over the data connections. The downstream stage must see every chunk exactly, in the order the
+upstream produced them; and so with dataStreams left out, where the stages pick their connections from
+this machine's cores. The Assembler's and the Opener's bounds are unit-checked in
+tests/unit/test_stripes.py and tests/unit/test_seal.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from fleet_harness import Scrape, pipeline, stage
+from omnifleet_runtime.seal import PART_BYTES, SEAL_MIN_BYTES
 from stagefns import STRIPED_SIZES
 
 
@@ -37,6 +40,11 @@ def test_large_chunks_cross_several_connections_exactly_and_in_order(make_fleet,
     # the later requests' large chunks came split: 3 per request once all four streams were up
     assert dst.value("omnifleet_worker_striped_messages_total", stage="dst") >= 3
     assert dst.value("omnifleet_worker_received_bytes_total", stage="dst", src="src") >= 3 * sum(STRIPED_SIZES)
+    sealed = dst.value("omnifleet_worker_sealed_parts_total", stage="dst")
+    if plane == "curve":  # every large chunk of every request went sealed, in parts of PART_BYTES
+        assert sealed >= 3 * sum(-(-n // PART_BYTES) for n in STRIPED_SIZES if n >= SEAL_MIN_BYTES)
+    else:
+        assert sealed == 0
 
 
 @pytest.mark.parametrize("plane", ["curve", "plain-auth"])

@@ -50,8 +50,9 @@ def test_colocated_stage_runs_in_its_host_pods():
     assert c["resources"]["limits"][ "nvidia.com/gpu"] == "1"
     # cpu 4 + 2 and memory 32Gi + 8Gi: one container serves both processes
     assert c["resources"]["requests"] == {"cpu": "6", "memory": "40Gi"}
-    assert [p["containerPort"] for p in c["ports"]] == [C.STAGE_DATA_PORT, C.STAGE_DATA_PORT + 1, C.STAGE_HEALTH_PORT,
-                                                        C.STAGE_METRICS_PORT]
+    bulk = C.STAGE_DATA_PORT + C.BULK_PORT_OFFSET  # a `curve` data plane (the default): a bulk port per stage
+    assert [p["containerPort"] for p in c["ports"]] == [C.STAGE_DATA_PORT, C.STAGE_DATA_PORT + 1, bulk, bulk + 1,
+                                                        C.STAGE_HEALTH_PORT, C.STAGE_METRICS_PORT]
     assert c["ports"][-1]["name"] == "metrics"
 
 
@@ -201,8 +202,20 @@ def test_network_policy_admits_zmq_only_from_the_pipeline():
     np = render(sample("speech"))[("NetworkPolicy", "speech")]
     internal, public = np["spec"]["ingress"]
     assert internal["from"] == [{"podSelector": {"matchLabels": {C.LABEL_PIPELINE: "speech"}}}]
-    assert {p["port"] for p in internal["ports"]} == {"zmq-control", "zmq-data", "zmq-data-1"}
+    assert {p["port"] for p in internal["ports"]} == {"zmq-control", "zmq-data", "zmq-data-1", "zmq-bulk",
+                                                      "zmq-bulk-1"}
     assert "from" not in public and {p["port"] for p in public["ports"]} == {"http", "health", "metrics"}
+
+
+def test_bulk_ports_only_with_the_curve_data_plane():
+    doc = sample("speech")
+    doc["spec"].setdefault("security", {})["dataPlane"] = "plain-auth"  # nothing sealed: no bulk port
+    objs = render(doc)
+    c = objs[("Deployment", "speech-talker")]["spec"]["template"]["spec"]["containers"][0]
+    assert not [p for p in c["ports"] if p["name"].startswith("zmq-bulk")]
+    assert {p["name"] for p in objs[("Service", "speech-talker")]["spec"]["ports"]} == {"zmq-data", "zmq-data-1"}
+    internal = objs[("NetworkPolicy", "speech")]["spec"]["ingress"][0]
+    assert {p["port"] for p in internal["ports"]} == {"zmq-control", "zmq-data", "zmq-data-1"}
 
 
 def test_admin_port_is_declared_but_not_served_to_clients_and_keys_come_from_secrets():
