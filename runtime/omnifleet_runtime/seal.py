@@ -45,9 +45,9 @@ ANNOUNCE_MAGIC = b"OFA1"  # frame 0 of an Announce on the CurveZMQ data connecti
 BULK_MAGIC = b"OFB1"  # frame 0 of a sealed part on the bulk port
 SEAL_MIN_BYTES = 1 << 20  # smaller messages go over CurveZMQ whole
 # Parts of a few MiB: one is sealed while the one before travels and the one before that is opened.
-PART_BYTES = 4 << 20
-PIECE_BYTES = 4 << 20
-PARTS_MAX = 256  # 1 GiB (the largest frame) in parts of 4 MiB
+PART_BYTES = 2 << 20
+PIECE_BYTES = 2 << 20
+PARTS_MAX = 512  # 1 GiB (the largest frame) in parts of 2 MiB
 TAG = 16  # bytes a sealed piece is longer than what it stands for
 _BULK_HEAD = struct.Struct(">16sH")  # message id, part
 
