@@ -591,18 +591,19 @@ class Security(Model):
 
     data_plane: Literal["curve", "plain-auth"] = Field(
         "curve",
-        description="Stage data ports: curve (CurveZMQ, authenticated and encrypted) or plain-auth (ZMQ PLAIN with "
-        "the pipeline's token: authenticated, not encrypted; for networks that already encrypt, e.g. a service "
-        "mesh or WireGuard). The master's control port always uses CurveZMQ.",
+        description="Stage data ports: curve (CurveZMQ, authenticated and encrypted; a message of 1 MiB or more "
+        "is sealed with AES-256-GCM under a fresh key sent over CurveZMQ, and travels over the stage's bulk port, "
+        "data port + 100, with ZMQ PLAIN) or plain-auth (ZMQ PLAIN with the pipeline's token: authenticated, not "
+        "encrypted; for networks that already encrypt, e.g. a service mesh or WireGuard). The master's control "
+        "port always uses CurveZMQ.",
     )
     data_streams: int | None = Field(
         None, ge=1, le=16,
-        description="Connections from a stage to each downstream data port. A message of 8 MiB or more is split "
-        "over them, each encrypted and decrypted on its own I/O thread (CurveZMQ moves about 1 GiB/s per core, "
-        "so one connection caps an encrypted route there); the stage's container gets as many ZMQ I/O threads. "
-        "Default: from the CPUs the stage's container may use (its CPU limit, else the node's), at most 8: one "
-        "per CPU with curve, one per two CPUs with plain-auth (unencrypted, one connection moves a buffer whole, "
-        "with no reassembly copy).",
+        description="Connections from a stage to each downstream port that carries large messages: the bulk port "
+        "with curve (the sealed parts of a message go to them in turn), the data port with plain-auth (a message "
+        "of 8 MiB or more is split over them). Default: from the CPUs the stage's container may use (its CPU "
+        "limit, else the node's), one per two CPUs, at most 8 (one connection moves a buffer whole, with no "
+        "reassembly copy; each further one costs both sides an I/O thread).",
     )
     check_peer_address: bool = Field(
         True,
