@@ -1,18 +1,19 @@
 """Large data-port messages split over several connections, and put back together.
 
-One connection's encryption (CurveZMQ) runs on one libzmq I/O thread, about
-1 GiB/s per core: a single stream caps an encrypted route there. A stage
-therefore keeps `spec.security.dataStreams` connections to each downstream
-data port, each pinned to its own I/O thread (and connected only after the
-previous one's handshake, so the receiver's I/O threads take them in turn),
-and splits a message of at least STRIPE_MIN_BYTES into one part per
-connection, in pieces of at most PIECE_MAX (PIECE_MAX_ENCRYPTED when
-encrypted; also over a single encrypted connection: CurveZMQ encrypts a large
-frame much slower than the same bytes in small pieces, and a maximal frame
-would outgrow the receiver's size bound once encrypted). The receiver's I/O threads decrypt the parts in parallel; the
-Assembler here copies split buffers back into one (a buffer that a part holds
-whole is kept as received, no copy), into buffers it reuses once nothing else
-refers to them: a fresh one faults in, and the kernel zeroes, every page.
+One connection runs on one libzmq I/O thread. A stage therefore keeps
+`spec.security.dataStreams` connections to each downstream data port, each
+pinned to its own I/O thread (and connected only after the previous one's
+handshake, so the receiver's I/O threads take them in turn), and splits a
+message of at least STRIPE_MIN_BYTES into one part per connection, in pieces
+of at most PIECE_MAX. That is the `plain-auth` data plane, and a `curve` one
+whose receiver has no bulk port (seal.py; an older stage): there pieces are of
+at most PIECE_MAX_ENCRYPTED, also over a single connection (CurveZMQ encrypts
+a large frame much slower than the same bytes in small pieces, and a maximal
+frame would outgrow the receiver's size bound once encrypted). The Assembler
+here copies split buffers back into one (a buffer that a part holds whole is
+kept as received, no copy; seal.py has it open sealed pieces into place), into
+buffers it reuses once nothing else refers to them: a fresh one faults in, and
+the kernel zeroes, every page.
 
 A part is a multipart message whose frame 0 is MAGIC + a msgpack StripeHeader
 and whose other frames are pieces of the original message's frames. Parts of
@@ -58,10 +59,12 @@ POOL_IDLE_S = 60.0  # a kept buffer not reused in this long is let go
 
 def default_streams(encrypted: bool, cores: int | None = None) -> int:
     """`spec.security.dataStreams` when the spec leaves it out: parallel connections pay only where there are
-    cores to run them. An encrypted connection keeps its I/O thread busy: one per core. An unencrypted one is
-    cheap, and splitting costs each side an I/O thread and a reassembly copy per connection that one connection
-    carrying the buffer whole does not pay: one per two cores (with 2 cores, one moved 16-31% more than 8; on a
-    16-core host, 8 moved 1.6-2.7x what one did)."""
+    cores to run them. A CurveZMQ connection keeps its I/O thread busy: one per core (the curve data plane's
+    connections to a receiver without a bulk port; they also size the ZMQ context's I/O threads). An
+    unencrypted one (plain-auth, or a bulk port) is cheap, and splitting costs each side an I/O thread and a
+    reassembly copy per connection that one connection carrying the buffer whole does not pay: one per two
+    cores (bench/results' wire-security reports: on 2 cores one moved more than 8, on 16 cores 8 moved
+    1.7-3.5x what one did)."""
     cores = usable_cores() if cores is None else cores
     return max(1, min(STREAMS_DEFAULT_MAX, cores if encrypted else cores // 2))
 
