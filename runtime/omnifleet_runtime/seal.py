@@ -47,7 +47,7 @@ SEAL_MIN_BYTES = 1 << 20  # smaller messages go over CurveZMQ whole
 # Parts of a few MiB: one is sealed while the one before travels and the one before that is opened.
 PART_BYTES = 2 << 20
 PIECE_BYTES = 2 << 20
-PARTS_MAX = 512  # 1 GiB (the largest frame) in parts of 2 MiB
+PARTS_MAX = 2048  # 4 GiB (what a receiver holds at least: stripes.HELD_MIN) in parts of 2 MiB
 TAG = 16  # bytes a sealed piece is longer than what it stands for
 _BULK_HEAD = struct.Struct(">16sH")  # message id, part
 
@@ -63,7 +63,7 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Announce)
 _pool: ThreadPoolExecutor | None = None
 # Sealed pieces are written into buffers reused once ZMQ has sent them (fresh ones fault in every page).
-_buffers = stripes.Pool()
+_buffers = stripes.Pool(min_bytes=1 << 16)
 
 
 def threads() -> int:
@@ -90,8 +90,14 @@ class Sealed:
     """One outgoing message: its Announce, and each part to seal (`seal(p)`, on any thread) and send."""
 
     def __init__(self, frames: list[Any], nbytes: int):
-        parts = min(PARTS_MAX, max(1, -(-nbytes // PART_BYTES)))
-        self.sizes, spans, self.pieces = stripes.layout(frames, parts, PIECE_BYTES)
+        # Parts of PART_BYTES exactly (the last one the rest): messages of any size seal into buffers of the
+        # same few sizes, which the pool hands out again.
+        parts = max(1, -(-nbytes // PART_BYTES))
+        if parts > PARTS_MAX:  # larger than a receiver holds by default: about equal parts
+            parts, per = PARTS_MAX, None
+        else:
+            per = PART_BYTES
+        self.sizes, spans, self.pieces = stripes.layout(frames, parts, PIECE_BYTES, per)
         self.key, secret = os.urandom(16), AESGCM.generate_key(256)
         self.aead = AESGCM(secret)
         self.announce = [ANNOUNCE_MAGIC + _encoder.encode(Announce(self.key, secret, self.sizes, spans))]

@@ -166,13 +166,13 @@ class Pool:
     refers to them (the message's consumer, every view and every send of it is done). A reused buffer is
     resident: no page faults, no zeroing. Bounded in bytes and in idle time."""
 
-    def __init__(self, max_bytes: int = POOL_MAX_BYTES, idle_s: float = POOL_IDLE_S):
-        self.max_bytes, self.idle_s = max_bytes, idle_s
+    def __init__(self, max_bytes: int = POOL_MAX_BYTES, idle_s: float = POOL_IDLE_S, min_bytes: int = HUGE_MIN):
+        self.max_bytes, self.idle_s, self.min_bytes = max_bytes, idle_s, min_bytes
         self.kept: list[list[Any]] = []  # [buffer, last handed out], least recently handed out first
         self.reused = 0
 
     def take(self, n: int, now: float | None = None) -> Any:
-        if n < HUGE_MIN:  # cheap to make anew: not kept
+        if n < self.min_bytes:  # cheap to make anew: not kept
             return buffer(n)
         now = time.monotonic() if now is None else now
         for i, slot in enumerate(self.kept):
@@ -218,11 +218,13 @@ def split(frames: list[Any], n: int, piece: int = PIECE_MAX) -> list[list[Any]]:
     return [[MAGIC + _encoder.encode(StripeHeader(key, p, n, sizes, spans[p])), *pieces[p]] for p in range(n)]
 
 
-def layout(frames: list[Any], n: int, piece: int) -> tuple[list[int], list[list[tuple[int, int]]], list[list[Any]]]:
-    """Every frame's size, and each of n parts' spans (frame index, offset) and pieces (views)."""
+def layout(frames: list[Any], n: int, piece: int,
+           per: int | None = None) -> tuple[list[int], list[list[tuple[int, int]]], list[list[Any]]]:
+    """Every frame's size, and each of n parts' spans (frame index, offset) and pieces (views); parts of `per`
+    bytes (the last one the rest), else of about equal bytes."""
     views = [memoryview(f).cast("B") for f in frames]
     sizes = [v.nbytes for v in views]
-    per = -(-sum(sizes) // n)
+    per = per or -(-sum(sizes) // n)
     pieces: list[list[Any]] = [[] for _ in range(n)]
     spans: list[list[tuple[int, int]]] = [[] for _ in range(n)]
     part, room = 0, per
