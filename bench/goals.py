@@ -157,9 +157,15 @@ GOALS: tuple[Goal, ...] = (
          "2.4-2.7x at 57b1033, 2.6-2.8x at 9df8e95, 2.4-3.0x at 0377d00, 2.5-2.7x at 0ed41f2, 2.4-2.6x at 165f165, "
          "2.4-2.5x at d112e00, 2.7-3.1x at b3696ab, 2.4-2.9x at dd71511, 2.6-2.8x at 29b69c4, where 16 MiB read "
          "0.58x: 2.59 GB/s, with the co-located hop at 1.26 ms)"),
-    Goal("bulk, two pods, CurveZMQ data ports / the same without encryption (plain-auth), 16-256 MiB",
+    Goal("bulk, two pods, the curve data plane (CurveZMQ; since 9a58d6c large messages AES-GCM sealed, their keys "
+         "over CurveZMQ) / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
-         why_missed="at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
+         why_missed="since 9a58d6c a message of 1 MiB or more no longer goes through CurveZMQ's cipher: sealed with "
+         "AES-256-GCM in worker threads over the bulk port, it read 0.54-0.57x on the 2-core machine at 30a9389 "
+         "(curve 1.27-1.91 GiB/s; in 4 MiB frames 0.47-0.54x) and 0.58-0.63x at 4aec0b5 (1.50-2.20 GiB/s, parts "
+         "sealed into reused buffers), where two cores run the sealing, the opening and both sides' transfer, and "
+         "plain-auth's own throughput varied 2.4-3.9 GiB/s between rows. Before it, through CurveZMQ: "
+         "at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
          "unencrypted path (the same report's raw ceiling: 0.17-0.27x at every K at a7bd6df), and plain-auth gains "
          "as much from the same streams; what the streams give CurveZMQ: 1.0-2.6 GiB/s with the default 8, "
          "0.53-1.08x the unencrypted data plane on one connection (the report's last column). Runs vary: 0.44x at "

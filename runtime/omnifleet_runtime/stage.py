@@ -950,16 +950,25 @@ class StageWorker:
 
     # ------------------------------------------------------------ data port
 
-    async def _data_loop(self) -> None:
+    async def _receive(self, sock: zsock.Socket, port: str) -> AsyncIterator[list]:
+        """A port's messages, taking turns with the loop's other work; one over the bounds is dropped, counted."""
         turns = Turns()
         while True:
             await turns.take()
             try:
-                frames = await self.data.recv_message(C.MAX_FRAMES)
+                yield await sock.recv_message(C.MAX_FRAMES)
             except zsock.Oversized as e:
-                log.warning("dropped a message on the data port: %s", e)
+                log.warning("dropped a message on the %s port: %s", port, e)
                 self.dropped += 1
-                continue
+
+    def _off_loop(self, coro: Any) -> None:
+        """Run a copy or an opening as its own task (cancelled at shutdown)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.copy_tasks.add(task)
+        task.add_done_callback(self.copy_tasks.discard)
+
+    async def _data_loop(self) -> None:
+        async for frames in self._receive(self.data, "data"):
             if seal.is_announce(frames[0]):
                 try:
                     ready = self.opener.announce(frames)
@@ -978,23 +987,13 @@ class StageWorker:
                 self._rejected(e)
                 continue
             if copies:  # off the loop, parts in parallel; the loop goes on receiving the other parts
-                task = asyncio.get_running_loop().create_task(self._assemble(key, copies))
-                self.copy_tasks.add(task)
-                task.add_done_callback(self.copy_tasks.discard)
+                self._off_loop(self._assemble(key, copies))
             else:
                 self._assembled(key)
 
     async def _bulk_loop(self) -> None:
         """Sealed parts of large messages (seal.py), opened off the loop as their Announces allow."""
-        turns = Turns()
-        while True:
-            await turns.take()
-            try:
-                frames = await self.bulk.recv_message(C.MAX_FRAMES)
-            except zsock.Oversized as e:
-                log.warning("dropped a message on the bulk port: %s", e)
-                self.dropped += 1
-                continue
+        async for frames in self._receive(self.bulk, "bulk"):
             try:
                 opened = self.opener.bulk(frames)
             except wire.WireError as e:
@@ -1004,9 +1003,7 @@ class StageWorker:
                 self._unseal(*opened)
 
     def _unseal(self, key: bytes, aead: Any, part: int, copies: list) -> None:
-        task = asyncio.get_running_loop().create_task(self._open(key, aead, part, copies))
-        self.copy_tasks.add(task)
-        task.add_done_callback(self.copy_tasks.discard)
+        self._off_loop(self._open(key, aead, part, copies))
 
     async def _open(self, key: bytes, aead: Any, part: int, copies: list) -> None:
         try:
