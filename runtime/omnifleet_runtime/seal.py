@@ -49,6 +49,10 @@ PART_BYTES = 2 << 20
 PIECE_BYTES = 2 << 20
 PARTS_MAX = 2048  # 4 GiB (what a receiver holds at least: stripes.HELD_MIN) in parts of 2 MiB
 TAG = 16  # bytes a sealed piece is longer than what it stands for
+# Parts that came before their Announce, held at most: it is sent first, so they are few; this bounds what a
+# peer that knows only the bulk port's token can make a stage hold.
+EARLY_MAX_BYTES = 256 << 20
+ANNOUNCED_MAX = 4096  # messages announced whose parts have not all come
 _BULK_HEAD = struct.Struct(">16sH")  # message id, part
 
 
@@ -123,8 +127,9 @@ class _Announced:
 class Opener:
     """Announces and sealed parts in (in any order), the Assembler's copies out: each a decryption."""
 
-    def __init__(self, assembler: stripes.Assembler, ttl_s: float = stripes.ASSEMBLY_TTL_S):
-        self.assembler, self.ttl_s = assembler, ttl_s
+    def __init__(self, assembler: stripes.Assembler, ttl_s: float = stripes.ASSEMBLY_TTL_S,
+                 early_max: int = EARLY_MAX_BYTES):
+        self.assembler, self.ttl_s, self.early_max = assembler, ttl_s, early_max
         self.announced: OrderedDict[bytes, _Announced] = OrderedDict()
         self.early: OrderedDict[tuple[bytes, int], tuple[list[Any], int, float]] = OrderedDict()
         self.early_bytes = 0
@@ -167,8 +172,8 @@ class Opener:
         if key in self.announced:
             return self._open(key, part, frames[1:], now)
         nbytes = sum(len(f) for f in frames)
-        if (key, part) in self.early or nbytes > self.assembler.max_bytes:
-            raise WireError("sealed part came twice, or larger than a message may be")
+        if (key, part) in self.early or nbytes > self.early_max:
+            raise WireError("sealed part came twice, or larger than a part held for its announce may be")
         self.early[(key, part)] = (frames[1:], nbytes, now)
         self.early_bytes += nbytes
         self._bound(now)
@@ -201,7 +206,7 @@ class Opener:
         return self.dropped - before
 
     def _bound(self, now: float) -> None:
-        while self.early_bytes > self.assembler.max_bytes:
+        while self.early_bytes > self.early_max:
             self._drop_early()
         while len(self.announced) > ANNOUNCED_MAX:
             self.announced.popitem(last=False)
@@ -212,8 +217,6 @@ class Opener:
         self.early_bytes -= nbytes
         self.dropped += 1
 
-
-ANNOUNCED_MAX = 4096  # messages announced whose parts have not all come
 
 
 def unseal(aead: AESGCM, part: int, copies: list[tuple[memoryview, Any]]) -> None:

@@ -19,8 +19,9 @@ def test_colocated_torch_stages_on_cpu_hand_tensors_over_through_shared_memory(m
     assert sent_bytes(fleet, "cuda_ipc") == 0
 
 
-def test_torch_stages_in_two_pods_hand_large_tensors_over_striped_connections(make_fleet):
-    """16 MiB tensors between pods: split over the data streams, put back together, read whole."""
+def test_torch_stages_in_two_pods_hand_large_tensors_over_sealed_parts(make_fleet):
+    """16 MiB tensors between pods: sealed over the bulk port (the default curve data plane), put back
+    together, read whole."""
     fleet = handoff_fleet(make_fleet, "cpu", colocated=False)
     n = 4 << 20  # float32 elements: 16 MiB
     for i in range(3):

@@ -16,8 +16,8 @@ from omnifleet_runtime.wire import WireError
 MIB = 1 << 20
 
 
-def opener(max_bytes: int = 1 << 30, ttl_s: float = 60.0) -> seal.Opener:
-    return seal.Opener(stripes.Assembler(max_bytes, 64), ttl_s)
+def opener(max_bytes: int = 1 << 30, ttl_s: float = 60.0, early_max: int = seal.EARLY_MAX_BYTES) -> seal.Opener:
+    return seal.Opener(stripes.Assembler(max_bytes, 64), ttl_s, early_max)
 
 
 def sealed(frames: list) -> tuple[seal.Sealed, list[list]]:
@@ -117,11 +117,14 @@ def test_announced_layouts_are_checked_before_anything_is_allocated():
 
 
 def test_parts_held_for_announces_stay_within_the_bound():
-    o = opener(max_bytes=3 * seal.PART_BYTES)
+    o = opener(early_max=3 * seal.PART_BYTES)
     for _ in range(4):
         _, parts = sealed(frames_of(3 * MIB))
         o.bulk(parts[0])  # a part of PART_BYTES and its tags
     assert o.early_bytes <= 3 * seal.PART_BYTES and o.dropped >= 1
+    _, parts = sealed([os.urandom(4 * seal.PART_BYTES)])
+    with pytest.raises(WireError, match="larger than a part held"):
+        opener(early_max=seal.PART_BYTES).bulk([parts[0][0], *(p for part in parts for p in part[1:])])
 
 
 def test_malformed_bulk_heads_are_refused():
