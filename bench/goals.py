@@ -87,8 +87,11 @@ GOALS: tuple[Goal, ...] = (
          "b3696ab (the same code an hour later), 4.94x; 130 us and 0.63 ms at dd71511 (nothing on this path changed), "
          "4.84x; on a slower kernel build (6.18.44-fc-v1272) 124 us and 0.68 ms at 80325a6, 5.50x, and 130 us "
          "and 0.61 ms at 629d917 (only the master's drain changed), 4.71x, and 128 us and 0.54 ms at 29b69c4 (one "
-         "I/O thread per unencrypted stage on two cores, where there were eight), 4.20x: the reports' cpu and kernel "
-         "rows)"),
+         "I/O thread per unencrypted stage on two cores, where there were eight), 4.20x; then 122 us and 0.68 ms at "
+         "30a9389, 5.56x (the report as committed in 16bd043), and 109 us and 0.75 ms at 6bfa976, 6.89x, where "
+         "what changed on this path (plain-auth) is a 4-byte prefix compare per data message, while the same "
+         "report's in-process pieces, which no runtime code runs, read slower too: a loop turn 3.7 us and a "
+         "queue hand-off 5.6 us, 2.5 and 3.5 us at 29b69c4: the reports' cpu and kernel rows)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -110,7 +113,8 @@ GOALS: tuple[Goal, ...] = (
          "(dataStreams left out: one per two cores), which carries a buffer whole, no reassembly copy: 0.90x, "
          "0.75x and 1.01x at 16, 64 and 256 MiB (3.51, 3.31 and 3.59 GB/s, where 629d917 moved 2.60, 2.85 and 3.31); "
          "the 64 MiB miss is against a raw TCP run of 4.44 GB/s, where the same report's 16 and 256 MiB read 3.89 "
-         "and 3.56"),
+         "and 3.56. At 6bfa976 (nothing changed on the plain-auth path but a 4-byte prefix compare per message) "
+         "0.71x, 0.93x and 0.72x (2.77, 3.23 and 2.38 GB/s against raw TCP's 3.92, 3.46 and 3.32)"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -133,7 +137,8 @@ GOALS: tuple[Goal, ...] = (
          "it), 3.60x at d112e00 (3.11x without it), 2.90x at b3696ab (3.17x without it), 1.71x at dd71511 (4.30x "
          "without it), 1.71x at 80325a6 (1.81x without it), 1.71x at 629d917 (2.63x without it; there the held "
          "1 KiB requests cost 1.95x those not held, and 256 MiB over them read 1.35x), 1.85x at 29b69c4 (1.94x "
-         "without it; held over not held 1.53x, 256 MiB over the held 1.27x)"),
+         "without it; held over not held 1.53x, 256 MiB over the held 1.27x), 2.21x at 6bfa976 (1.91x without it; "
+         "held over not held 1.93x, 256 MiB over the held 0.99x)"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
@@ -162,9 +167,10 @@ GOALS: tuple[Goal, ...] = (
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
          why_missed="since 9a58d6c a message of 1 MiB or more no longer goes through CurveZMQ's cipher: sealed with "
          "AES-256-GCM in worker threads over the bulk port, it read 0.54-0.57x on the 2-core machine at 30a9389 "
-         "(curve 1.27-1.91 GiB/s; in 4 MiB frames 0.47-0.54x) and 0.58-0.63x at 4aec0b5 (1.50-2.20 GiB/s, parts "
-         "sealed into reused buffers), where two cores run the sealing, the opening and both sides' transfer, and "
-         "plain-auth's own throughput varied 2.4-3.9 GiB/s between rows. Before it, through CurveZMQ: "
+         "(curve 1.27-1.91 GiB/s; in 4 MiB frames 0.47-0.54x; the report as committed in 16bd043) and 0.62-0.82x "
+         "at 6bfa976 (1.66-2.26 GiB/s, parts sealed into reused buffers; in 4 MiB frames 0.49-0.77x), where two "
+         "cores run the sealing, the opening and both sides' transfer, and plain-auth's own throughput varied "
+         "2.1-4.1 GiB/s between rows. Before it, through CurveZMQ: "
          "at equal connection counts CurveZMQ costs about five times the CPU per byte of the "
          "unencrypted path (the same report's raw ceiling: 0.17-0.27x at every K at a7bd6df), and plain-auth gains "
          "as much from the same streams; what the streams give CurveZMQ: 1.0-2.6 GiB/s with the default 8, "
@@ -213,7 +219,7 @@ GOALS: tuple[Goal, ...] = (
          "first token 2.98 ms, first audio 5.67 ms), 1.72x at b3696ab, the same code (1.52-2.32x; 3.67 and 6.42 "
          "ms), 1.88x at dd71511 (1.32-2.10x; 3.47 and 6.86 ms), 1.76x at 80325a6 on a slower kernel build "
          "(1.56-2.35x; 5.52 and 10.36 ms), 1.64x at 629d917 (1.35-2.03x; 4.73 and 7.68 ms), 1.70x at 29b69c4 "
-         "(1.50-1.89x; 4.38 and 7.96 ms). "
+         "(1.50-1.89x; 4.38 and 7.96 ms), 1.76x at 6bfa976 (1.47-2.18x; 5.13 and 8.96 ms). "
          "Before: 1.53x and 1.57x on an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
@@ -232,7 +238,10 @@ GOALS: tuple[Goal, ...] = (
            "1.35x at e936ad9, 1.45x at 3fa4f94 (the reports as committed in 927fa36, ab1a087, d0d0faf, 7fe4f6c "
            "and 2fc51d3); at ccc24dd (only the runtime's schema changed for the operator: dataStreams no longer "
            "written into the ConfigMap when left out) N=10 1.20x (1.02-1.37x), N=100 1.46x (1.35-1.46x; 14.6-17.0 "
-           "against 10.8-11.6 s), N=1000 1.16x (200.0 against 171.9 s, met)")
+           "against 10.8-11.6 s), N=1000 1.16x (200.0 against 171.9 s, met); at 6bfa976 (the "
+           "renderer adds bulk ports to a curve pipeline's stage pods, Services and NetworkPolicy) N=10 0.93x "
+           "(0.89-1.06x), N=100 1.25x (1.16-1.40x; 16.9 against 13.5 s, met), N=1000 1.27x (223.5 against "
+           "176.6 s)")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
          why_missed="the watch caches' copies of every child, kopf's memory of each watched object, and the "
