@@ -274,6 +274,8 @@ class StageWorker:
             return 1
         finally:
             started.set()
+        if (make := self.engine.host_buffers()) is not None:
+            self.assembler.pool.make = make
         if self.engine.max_concurrency:
             self.slots = asyncio.Semaphore(int(self.engine.max_concurrency))
         # One I/O thread per data stream: each connection's encryption (and the receiver's decryption of

@@ -32,7 +32,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -164,10 +164,12 @@ def buffer(n: int) -> Any:
 class Pool:
     """Large reassembly buffers, kept to be reused for a message of the same size once nothing but the pool
     refers to them (the message's consumer, every view and every send of it is done). A reused buffer is
-    resident: no page faults, no zeroing. Bounded in bytes and in idle time."""
+    resident: no page faults, no zeroing. Bounded in bytes and in idle time. `make(n)` makes the kept ones (a
+    stage whose engine copies its inputs to a GPU sets one that makes pinned host memory)."""
 
     def __init__(self, max_bytes: int = POOL_MAX_BYTES, idle_s: float = POOL_IDLE_S, min_bytes: int = HUGE_MIN):
         self.max_bytes, self.idle_s, self.min_bytes = max_bytes, idle_s, min_bytes
+        self.make: Callable[[int], Any] = buffer
         self.kept: list[list[Any]] = []  # [buffer, last handed out], least recently handed out first
         self.reused = 0
 
@@ -181,7 +183,7 @@ class Pool:
                 self.reused += 1
                 break
         else:
-            slot = [buffer(n), now]
+            slot = [self.make(n), now]
         slot[1] = now
         self.kept.append(slot)
         self.trim(now)
@@ -244,7 +246,7 @@ def layout(frames: list[Any], n: int, piece: int,
 
 
 class _Open:
-    __slots__ = ("parts", "sizes", "bufs", "seen", "filled", "held", "since", "copying", "spans")
+    __slots__ = ("parts", "sizes", "bufs", "seen", "filled", "held", "since", "copying", "spans", "whole")
 
     def __init__(self, parts: int, sizes: list[int], now: float):
         self.parts, self.sizes, self.since = parts, sizes, now
@@ -253,6 +255,7 @@ class _Open:
         self.filled = self.held = 0
         self.copying = 0  # parts taken whose copies are not done yet
         self.spans: list[tuple[int, int, int]] = []  # (frame, offset, bytes) of every copied piece
+        self.whole: set[int] = set()  # frames kept as received (no buffer to copy into)
 
 
 class Assembler:
@@ -312,12 +315,13 @@ class Assembler:
             n = len(piece) - overhead
             if not overhead and off == 0 and n == h.sizes[i] and entry.bufs[i] is None:
                 entry.bufs[i] = piece  # whole: kept as received
+                entry.whole.add(i)
                 grew += n
             else:
                 if entry.bufs[i] is None:
                     entry.bufs[i] = self.pool.take(h.sizes[i], now)
                     grew += h.sizes[i]
-                elif not isinstance(entry.bufs[i], (bytearray, mmap.mmap)):  # the message cannot complete
+                elif i in entry.whole:  # the message cannot complete
                     entry.held += grew
                     self.held += grew
                     self._forget(h.key)

@@ -173,6 +173,32 @@ def test_a_reassembly_buffer_still_in_use_is_not_reused():
     assert int(held.min()) == int(held.max()) == 1
 
 
+def test_a_pool_with_a_maker_of_its_own_reassembles_into_what_it_makes():
+    """The maker a torch stage on a GPU sets (pinned host memory) hands out numpy arrays, not maps: messages
+    still come back exactly, the arrays are reused, and a piece over a frame that came whole is still refused."""
+    import numpy
+
+    made = []  # ids: a reference kept here would keep the array in use
+
+    def make(n):
+        a = numpy.empty(n, numpy.uint8)
+        made.append(id(a))
+        return a
+
+    asm = Assembler(1 << 30, 64)
+    asm.pool.make = make
+    for fill in (1, 2):
+        parts = split(big_message(fill), 2)
+        assert asm.add(received(parts[1])) is None
+        out = asm.add(received(parts[0]))
+        assert id(out[1]) == made[0] and bytes(memoryview(out[1])) == bytes([fill]) * (9 << 20)
+        del out
+    assert len(made) == 1 and asm.pool.reused == 1
+    asm.add([header(spans=[(0, 0)]), b"abcd"])
+    with pytest.raises(wire.WireError, match="overlap"):
+        asm.add([header(part=1, spans=[(0, 2)]), b"cd"])
+
+
 def test_reassembly_buffers_kept_are_bounded_in_bytes_and_idle_time():
     pool = stripes.Pool(max_bytes=20 << 20, idle_s=10)
     for i, n in enumerate((8 << 20, 9 << 20, 10 << 20)):  # none in use once taken: the slots alone refer to them

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import importlib
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ..wire import RequestInfo
 
@@ -67,6 +67,12 @@ class Engine(abc.ABC):
         give a co-located route that takes them (cuda_ipc) IPC handles, every other route host copies.
         Called once for the IPC routes and once for all others; the default: the value as it is."""
         return value
+
+    def host_buffers(self) -> Callable[[int], Any] | None:
+        """A maker of n-byte writable buffers for the large inputs this stage reassembles, when the engine has
+        one that suits it better than ordinary memory (the torch engine on a GPU: pinned host memory, which
+        its copy to the device reads at full speed); None: ordinary memory."""
+        return None
 
     def release(self, value: Any) -> None:
         """Let go of what a payload that will never be read holds beyond its bytes (the producer's

@@ -20,6 +20,9 @@ memory: a module that writes into its input writes there (the producer has
 let it go). A handle whose request is dropped unread is released; one queued
 in an aborted request is reclaimed when the producer's allocator runs short
 (torch frees IPC memory its consumers let go before failing an allocation).
+On a GPU, large inputs that cross split over several connections are
+reassembled into pinned host memory (`host_buffers`), so their copy to the
+device reads locked pages at DMA speed.
 
 Control RPCs: `ping`, `sleep` (moves the weights to host memory and frees
 the GPU cache), `wake_up` (moves them back), `empty_cache`.
@@ -33,7 +36,7 @@ import asyncio
 import inspect
 import os
 import warnings
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ..schema import Stage
 from ..wire import Array, CudaIpc, walk
@@ -113,6 +116,14 @@ class TorchEngine(Engine):
             t = v.detach().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy()  # a view of the tensor's memory, no copy
         return Array(str(t.dtype).removeprefix("torch."), tuple(t.shape), memoryview(raw))
+
+    def host_buffers(self) -> Callable[[int], Any] | None:
+        # Inputs reassembled into pinned memory copy to the GPU at DMA speed (about 3x pageable memory on an
+        # H200); torch's caching host allocator keeps the blocks, as it does for the outputs' host copies.
+        return self._pinned if self.torch.device(self.device).type == "cuda" else None
+
+    def _pinned(self, n: int) -> Any:
+        return self.torch.empty(n, dtype=self.torch.uint8, pin_memory=True).numpy()
 
     def _has_cuda(self, value: Any) -> bool:
         found = False
