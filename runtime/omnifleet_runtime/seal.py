@@ -153,7 +153,7 @@ class Opener:
         if a.key in self.announced or a.key in self.assembler.open:
             raise WireError("announce of a message already announced")
         self.announced[a.key] = _Announced(AESGCM(a.secret), headers, now)
-        self._bound(now)
+        self._bound()
         ready = []
         for p in range(parts):
             held = self.early.pop((a.key, p), None)
@@ -176,7 +176,7 @@ class Opener:
             raise WireError("sealed part came twice, or larger than a part held for its announce may be")
         self.early[(key, part)] = (frames[1:], nbytes, now)
         self.early_bytes += nbytes
-        self._bound(now)
+        self._bound()
         return None
 
     def _open(self, key: bytes, part: int, pieces: list[Any], now: float) -> tuple[bytes, AESGCM, int, list]:
@@ -205,7 +205,7 @@ class Opener:
             self._drop_early()
         return self.dropped - before
 
-    def _bound(self, now: float) -> None:
+    def _bound(self) -> None:
         while self.early_bytes > self.early_max:
             self._drop_early()
         while len(self.announced) > ANNOUNCED_MAX:

@@ -282,25 +282,10 @@ class StageWorker:
         # its parts) runs on a core of its own.
         self.ctx = zmq.Context(io_threads=self.streams)
         self.auth = security.start_authenticator(self.ctx, self.keys)  # before the bind: no handshake unchecked
-        self.data = zsock.Socket(self.ctx, zmq.PULL)
-        self.data.linger = 0
-        security.secure_server(self.data, self.keys, self.data_plane, self.max_frame_bytes)
-        if self.data_port:
-            self.data.bind(f"tcp://{self.host}:{self.data_port}")
-            port = self.data_port
-        else:  # 0: any free port (local runs and tests)
-            port = self.data.bind_to_random_port(f"tcp://{self.host}")
-        self.data_addr = f"tcp://{self.advertise_host}:{port}"
+        self.data, self.data_addr = self._listen(self.data_plane, self.data_port)
         if self.data_plane == security.CURVE:  # large messages come sealed, on the bulk port
-            self.bulk = zsock.Socket(self.ctx, zmq.PULL)
-            self.bulk.linger = 0
-            security.secure_server(self.bulk, self.keys, security.PLAIN_AUTH, self.max_frame_bytes)
-            if self.data_port:
-                self.bulk.bind(f"tcp://{self.host}:{self.data_port + C.BULK_PORT_OFFSET}")
-                bulk_port = self.data_port + C.BULK_PORT_OFFSET
-            else:
-                bulk_port = self.bulk.bind_to_random_port(f"tcp://{self.host}")
-            self.bulk_addr = f"tcp://{self.advertise_host}:{bulk_port}"
+            self.bulk, self.bulk_addr = self._listen(
+                security.PLAIN_AUTH, self.data_port and self.data_port + C.BULK_PORT_OFFSET)
         log.info("stage %s/%s: engine loaded, data port %s (%s, %d stream(s) to each downstream port)%s",
                  self.stage.name, self.replica, self.data_addr, self.data_plane, self.streams,
                  f", bulk port {self.bulk_addr} (AES-GCM, {self.bulk_streams} stream(s))" if self.bulk else "")
@@ -969,6 +954,18 @@ class StageWorker:
         self.copy_tasks.add(task)
         task.add_done_callback(self.copy_tasks.discard)
 
+    def _listen(self, plane: str, port: int) -> tuple[zsock.Socket, str]:
+        """A PULL socket bound to the port (0: any free one, for local runs and tests) and its advertised
+        address."""
+        sock = zsock.Socket(self.ctx, zmq.PULL)
+        sock.linger = 0
+        security.secure_server(sock, self.keys, plane, self.max_frame_bytes)
+        if port:
+            sock.bind(f"tcp://{self.host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{self.host}")
+        return sock, f"tcp://{self.advertise_host}:{port}"
+
     async def _data_loop(self) -> None:
         async for frames in self._receive(self.data, "data"):
             if seal.is_announce(frames[0]):
@@ -978,7 +975,7 @@ class StageWorker:
                     self._rejected(e)
                     continue
                 for opened in ready:
-                    self._unseal(*opened)
+                    self._off_loop(self._open(*opened))
                 continue
             if not stripes.is_part(frames[0]):
                 self._on_data(frames)
@@ -1002,10 +999,7 @@ class StageWorker:
                 self._rejected(e)
                 continue
             if opened is not None:
-                self._unseal(*opened)
-
-    def _unseal(self, key: bytes, aead: Any, part: int, copies: list) -> None:
-        self._off_loop(self._open(key, aead, part, copies))
+                self._off_loop(self._open(*opened))
 
     async def _open(self, key: bytes, aead: Any, part: int, copies: list) -> None:
         try:
