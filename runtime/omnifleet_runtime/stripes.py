@@ -183,11 +183,20 @@ class Pool:
                 self.reused += 1
                 break
         else:
-            slot = [self.make(n), now]
+            slot = [self._make(n), now]
         slot[1] = now
         self.kept.append(slot)
         self.trim(now)
         return slot[0]
+
+    def _make(self, n: int) -> Any:
+        if self.make is not buffer:
+            try:
+                return self.make(n)
+            except Exception as e:  # pinned memory can run out: the message still lands, in ordinary memory
+                log.warning("could not make a %d-byte reassembly buffer (%s: %s); using ordinary memory",
+                            n, type(e).__name__, e)
+        return buffer(n)
 
     def trim(self, now: float | None = None) -> None:
         """Let go of the least recently handed out buffers over the bound, and of those idle too long (one

@@ -199,6 +199,19 @@ def test_a_pool_with_a_maker_of_its_own_reassembles_into_what_it_makes():
         asm.add([header(part=1, spans=[(0, 2)]), b"cd"])
 
 
+def test_a_maker_that_fails_leaves_the_message_in_ordinary_memory(caplog):
+    def make(n):
+        raise RuntimeError("CUDA error: out of memory")
+
+    asm = Assembler(1 << 30, 64)
+    asm.pool.make = make
+    parts = split(big_message(3), 2)
+    asm.add(received(parts[0]))
+    out = asm.add(received(parts[1]))
+    assert bytes(memoryview(out[1])) == bytes([3]) * (9 << 20)
+    assert "out of memory" in caplog.text
+
+
 def test_reassembly_buffers_kept_are_bounded_in_bytes_and_idle_time():
     pool = stripes.Pool(max_bytes=20 << 20, idle_s=10)
     for i, n in enumerate((8 << 20, 9 << 20, 10 << 20)):  # none in use once taken: the slots alone refer to them
