@@ -9,6 +9,7 @@ import yaml
 from omnifleet_operator.checks import check_document
 from omnifleet_operator.render import desired
 from omnifleet_runtime import constants as C
+from omnifleet_runtime.schema import MAX_STAGES
 
 from ..conftest import REPO
 
@@ -216,6 +217,21 @@ def test_bulk_ports_only_with_the_curve_data_plane():
     assert {p["name"] for p in objs[("Service", "speech-talker")]["spec"]["ports"]} == {"zmq-data", "zmq-data-1"}
     internal = objs[("NetworkPolicy", "speech")]["spec"]["ingress"][0]
     assert {p["port"] for p in internal["ports"]} == {"zmq-control", "zmq-data", "zmq-data-1"}
+
+
+def test_a_pod_of_the_most_stages_a_pipeline_may_have_has_no_port_twice():
+    """Co-located stage i listens on data port + i and bulk port + i: a pipeline's stage bound keeps the two
+    ranges apart (and off the master's ports)."""
+    doc = sample("speech")
+    doc["spec"]["stages"] = [{"name": "s0", "type": "python", "entrypoint": "m:f", "finalOutput": "text"}] + [
+        {"name": f"s{i}", "type": "python", "entrypoint": "m:f", "inputs": [f"s{i - 1}"], "colocateWith": "s0"}
+        for i in range(1, MAX_STAGES)]
+    objs = render(doc)
+    c = objs[("Deployment", "speech-s0")]["spec"]["template"]["spec"]["containers"][0]
+    ports = [p["containerPort"] for p in c["ports"]]
+    assert len([p for p in c["ports"] if p["name"].startswith("zmq-")]) == 2 * MAX_STAGES
+    assert len(ports) == len(set(ports))
+    assert not {C.MASTER_CONTROL_PORT, C.MASTER_ADMIN_PORT} & set(ports)
 
 
 def test_admin_port_is_declared_but_not_served_to_clients_and_keys_come_from_secrets():
