@@ -91,7 +91,9 @@ GOALS: tuple[Goal, ...] = (
          "30a9389, 5.56x (the report as committed in 16bd043), and 109 us and 0.75 ms at 6bfa976, 6.89x, where "
          "what changed on this path (plain-auth) is a 4-byte prefix compare per data message, while the same "
          "report's in-process pieces, which no runtime code runs, read slower too: a loop turn 3.7 us and a "
-         "queue hand-off 5.6 us, 2.5 and 3.5 us at 29b69c4: the reports' cpu and kernel rows)"),
+         "queue hand-off 5.6 us, 2.5 and 3.5 us at 29b69c4: the reports' cpu and kernel rows); 121 us and 0.56 ms "
+         "at 7b5294b (the runtime of 1d8bdea, where nothing on the no-op path changed: pinned buffers for torch "
+         "stages on a GPU), 4.61x, the in-process pieces back at 2.5 and 3.4 us; async no-op stages 3.66x"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -114,7 +116,9 @@ GOALS: tuple[Goal, ...] = (
          "0.75x and 1.01x at 16, 64 and 256 MiB (3.51, 3.31 and 3.59 GB/s, where 629d917 moved 2.60, 2.85 and 3.31); "
          "the 64 MiB miss is against a raw TCP run of 4.44 GB/s, where the same report's 16 and 256 MiB read 3.89 "
          "and 3.56. At 6bfa976 (nothing changed on the plain-auth path but a 4-byte prefix compare per message) "
-         "0.71x, 0.93x and 0.72x (2.77, 3.23 and 2.38 GB/s against raw TCP's 3.92, 3.46 and 3.32)"),
+         "0.71x, 0.93x and 0.72x (2.77, 3.23 and 2.38 GB/s against raw TCP's 3.92, 3.46 and 3.32); at 7b5294b "
+         "(the same plain-auth path) 0.80x, 0.96x and 0.77x (3.52, 3.69 and 3.14 GB/s against 4.39, 3.85 and 4.07), where "
+         "the producer's own 4 MiB frames read 0.82-1.02x"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -138,7 +142,8 @@ GOALS: tuple[Goal, ...] = (
          "without it), 1.71x at 80325a6 (1.81x without it), 1.71x at 629d917 (2.63x without it; there the held "
          "1 KiB requests cost 1.95x those not held, and 256 MiB over them read 1.35x), 1.85x at 29b69c4 (1.94x "
          "without it; held over not held 1.53x, 256 MiB over the held 1.27x), 2.21x at 6bfa976 (1.91x without it; "
-         "held over not held 1.93x, 256 MiB over the held 0.99x)"),
+         "held over not held 1.93x, 256 MiB over the held 0.99x), 1.49x at 7b5294b (1.83x without it; held over "
+         "not held 1.49x, 256 MiB over the held 1.23x)"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's fixed cost per hop (master dispatch, ZMQ, the stage loops: 1.6-2.3 ms in the "
@@ -195,7 +200,8 @@ GOALS: tuple[Goal, ...] = (
          "plain-auth connection (in git at the commit that recorded the AMD run, then replaced by the H200's). "
          "Sealed, at 56fe3db on the H200 host: 0.56-0.58x (curve 3.0-6.2 GiB/s with 8 streams; in 4 MiB frames "
          "0.42-0.61x), met, where the same runtime read 0.62-0.82x on the 2-core machine (6bfa976, the report "
-         "as committed in 56fe3db)"),
+         "as committed in 56fe3db); at 2fb1842 on the H200 0.54-0.62x (the report as committed in e1850c3), at "
+         "7b5294b on the 2-core machine 0.58-0.70x (curve 1.28-2.34 GiB/s)"),
     Goal("two-stage vLLM pipeline / the same engines called directly, tokens/s", "vllm_pipeline",
          ("pipeline_over_direct_tok_s",), ">=", 0.9,
          why_missed="not profiled yet; rounds vary more than the goal's margin, all counted clean of outside load: "
@@ -206,7 +212,8 @@ GOALS: tuple[Goal, ...] = (
          "later on the same code path, 0.79-1.05x at 9df8e95 (0.89x), 0.78-1.34x at 0377d00 (0.93x, met), "
          "0.76-1.13x at 0ed41f2 (0.92x, met), 0.41-0.99x at 165f165 (0.91x, met), 0.87-1.00x at d112e00 (0.94x, "
          "met), 0.84-0.99x at b3696ab, the same code (0.91x, met), 0.80-1.00x at dd71511 (0.91x, met), 0.81-1.08x "
-         "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met), 0.93-1.14x at 29b69c4 (1.00x, met). "
+         "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met), 0.93-1.14x at 29b69c4 (1.00x, met), "
+         "0.89-1.01x at 7b5294b (0.96x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -227,7 +234,8 @@ GOALS: tuple[Goal, ...] = (
          "first token 2.98 ms, first audio 5.67 ms), 1.72x at b3696ab, the same code (1.52-2.32x; 3.67 and 6.42 "
          "ms), 1.88x at dd71511 (1.32-2.10x; 3.47 and 6.86 ms), 1.76x at 80325a6 on a slower kernel build "
          "(1.56-2.35x; 5.52 and 10.36 ms), 1.64x at 629d917 (1.35-2.03x; 4.73 and 7.68 ms), 1.70x at 29b69c4 "
-         "(1.50-1.89x; 4.38 and 7.96 ms), 1.76x at 6bfa976 (1.47-2.18x; 5.13 and 8.96 ms). "
+         "(1.50-1.89x; 4.38 and 7.96 ms), 1.76x at 6bfa976 (1.47-2.18x; 5.13 and 8.96 ms), 1.70x at 7b5294b "
+         "(1.45-1.94x; 3.88 and 6.88 ms). "
          "Before: 1.53x and 1.57x on an AMD EPYC (e7d1144, e0493b0)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
