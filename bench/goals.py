@@ -117,8 +117,8 @@ GOALS: tuple[Goal, ...] = (
          "the 64 MiB miss is against a raw TCP run of 4.44 GB/s, where the same report's 16 and 256 MiB read 3.89 "
          "and 3.56. At 6bfa976 (nothing changed on the plain-auth path but a 4-byte prefix compare per message) "
          "0.71x, 0.93x and 0.72x (2.77, 3.23 and 2.38 GB/s against raw TCP's 3.92, 3.46 and 3.32); at 7b5294b "
-         "(the same plain-auth path) 0.80x, 0.96x and 0.77x (3.52, 3.69 and 3.14 GB/s against 4.39, 3.85 and 4.07), where "
-         "the producer's own 4 MiB frames read 0.82-1.02x"),
+         "(the same plain-auth path) 0.80x, 0.96x and 0.77x (3.52, 3.69 and 3.14 GB/s against 4.39, 3.85 and "
+         "4.07), where the producer's own 4 MiB frames read 0.82-1.02x"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
