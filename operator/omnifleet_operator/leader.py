@@ -6,7 +6,9 @@ replica takes it over once it has gone LEASE_S without a renewal. A leader
 that fails to renew before its Lease would expire exits (Kubernetes restarts
 it as a follower), the way controller-runtime's managers do: two writers at
 once is the one thing this must never allow. Updates carry the Lease's
-resourceVersion, so two candidates racing for it cannot both win.
+resourceVersion, so two candidates racing for it cannot both win. A failed
+request (an API error, or a connection refused or timed out, as when a new pod's
+network is not up yet) is retried; anything else escapes to the caller.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import datetime as dt
 import logging
 
 from lightkube import AsyncClient
+from lightkube.core import generic_client
 from lightkube.core.exceptions import ApiError
 from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
 log = logging.getLogger("omnifleet.leader")
+
+# What one attempt may fail with and be tried again: lightkube raises its HTTP library's transport errors
+# (httpx2 since lightkube 1.0, httpx before), which its client module names httpx.
+RETRIED = (ApiError, generic_client.httpx.TransportError)
 
 LEASE_NAME = "omnifleet-operator"
 LEASE_S = 15
@@ -90,25 +97,32 @@ class Elector:
                 if await self._try():
                     log.info("leading: holding the lease %s/%s as %s", self.namespace, self.name, self.identity)
                     return
-            except ApiError as err:
-                log.warning("lease %s/%s: %s", self.namespace, self.name, err)
-            if not announced:
-                log.info("following: another replica holds the lease %s/%s", self.namespace, self.name)
-                announced = True
+                if not announced:
+                    log.info("following: another replica holds the lease %s/%s", self.namespace, self.name)
+                    announced = True
+            except RETRIED as err:
+                log.warning("lease %s/%s: %s: %s", self.namespace, self.name, type(err).__name__, err)
             await asyncio.sleep(self.retry_s)
 
     async def hold(self) -> None:
-        """Renew until that fails for longer than the Lease lasts; then raise LostLeadership."""
-        last = asyncio.get_running_loop().time()
+        """Renew until that fails for longer than the Lease lasts; then raise LostLeadership.
+
+        Writing must stop before another replica may take over, so one attempt gets only the time left
+        until then (a request the API server never answers counts as failed)."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             await asyncio.sleep(self.renew_s)
+            left = last + self.lease_s - self.renew_s - loop.time()
             try:
-                if await self._try():
-                    last = asyncio.get_running_loop().time()
+                if await asyncio.wait_for(self._try(), max(left, 0.001)):
+                    last = loop.time()
                     continue
                 raise LostLeadership(f"another replica holds the lease {self.namespace}/{self.name}")
-            except ApiError as err:
-                log.warning("renewing the lease %s/%s failed: %s", self.namespace, self.name, err)
-            # Stop writing before another replica may take over.
-            if asyncio.get_running_loop().time() - last > self.lease_s - self.renew_s:
+            except RETRIED as err:
+                log.warning("renewing the lease %s/%s failed: %s: %s", self.namespace, self.name, type(err).__name__,
+                            err)
+            except asyncio.TimeoutError:
+                log.warning("renewing the lease %s/%s: no answer in %.1f s", self.namespace, self.name, left)
+            if loop.time() - last > self.lease_s - self.renew_s:
                 raise LostLeadership(f"could not renew the lease {self.namespace}/{self.name} in time")
