@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -471,12 +472,28 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.error_backoffs = [1, 2, 5]
     STATE.api = Api(applies_in_flight=WORKERS)
     if STATE.custom_metrics_port:
-        STATE.tasks.append(asyncio.create_task(_serve_custom_metrics(STATE.custom_metrics_port)))
+        _spawn(_serve_custom_metrics(STATE.custom_metrics_port))
     lease_ns = os.environ.get(ENV_LEADER_ELECTION_NAMESPACE)
     if lease_ns:
-        STATE.tasks.append(asyncio.create_task(_lead(lease_ns)))
+        _spawn(_lead(lease_ns))
     else:
         _start_workers()
+
+
+def _spawn(coro: Coroutine[Any, Any, None]) -> None:
+    """Start one of the operator's own tasks, which run until cleanup cancels them."""
+    task = asyncio.create_task(coro)
+    task.add_done_callback(_ended)
+    STATE.tasks.append(task)
+
+
+def _ended(task: asyncio.Task) -> None:
+    """A task that ended by itself is a fault: exit, so that Kubernetes restarts the replica, rather than go on
+    looking alive (kopf's health endpoint still answers) while nothing elects, reconciles or resyncs."""
+    if task.cancelled():
+        return
+    log.critical("the operator's task %s ended (%r): exiting", task.get_coro().__qualname__, task.exception())
+    os._exit(1)
 
 
 async def _serve_custom_metrics(port: int) -> None:
@@ -511,8 +528,9 @@ def _own_namespace() -> str:
 
 def _start_workers() -> None:
     STATE.leading = True
-    STATE.tasks += [asyncio.create_task(_work()) for _ in range(WORKERS)]
-    STATE.tasks.append(asyncio.create_task(_resync()))
+    for _ in range(WORKERS):
+        _spawn(_work())
+    _spawn(_resync())
 
 
 async def _lead(namespace: str) -> None:
