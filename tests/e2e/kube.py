@@ -58,6 +58,7 @@ RESOURCES = {
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers", True),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies", True),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases", True),
 }
 # What the operator renders (the kinds `omnifleet render` prints).
 CHILD_KINDS = ("ServiceAccount", "ConfigMap", "NetworkPolicy", "Deployment", "Service",

@@ -23,6 +23,7 @@ The scenario shared by tests/realnode/test_chaos.py (which asserts on it) and be
 from __future__ import annotations
 
 import collections
+import datetime as dt
 import http.client
 import json
 import random
@@ -36,7 +37,7 @@ from omnifleet_operator.devcluster import commands as dev
 from omnifleet_operator.devcluster import net
 from omnifleet_runtime import constants as C
 
-from ..e2e.kube import Kube, is_ready
+from ..e2e.kube import Kube, WaitTimeout, is_ready
 
 OK = "ok"
 REFUSED = "refused at connect"
@@ -49,6 +50,7 @@ CLIENT_TIMEOUT_S = DEADLINE_S + 30  # a request still unanswered by then is hung
 CONNECT_TIMEOUT_S = 10.0
 PAUSE_AFTER_FAILURE_S = 1.0  # a client does not spin on a pipeline that answers errors at once
 OPERATOR_SELECTOR = "app.kubernetes.io/component=operator"
+LEASE = "omnifleet-operator"  # held and renewed by the operator replica that reconciles
 
 
 @dataclass
@@ -248,10 +250,13 @@ def master_ready(address: tuple[str, int]) -> bool:
 
 def recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int]) -> str | None:
     """What is not back yet (None: all is): the pipeline Ready, each of its Deployments and the operator's
-    with every wanted replica ready and no pod terminating, and the master answering /ready."""
+    with every wanted replica ready and no pod terminating, the master answering /ready, and an operator
+    replica leading (its Lease renewed within the Lease's duration)."""
     doc = kube.pipeline(namespace, pipeline)
     if not doc or not is_ready(doc):
-        return f"pipeline not Ready: {((doc or {}).get('status') or {}).get('message')}"
+        st = (doc or {}).get("status") or {}
+        return (f"pipeline not Ready (generation {(doc or {}).get('metadata', {}).get('generation')}, observed "
+                f"{st.get('observedGeneration')}): {st.get('message')}")
     deployments = kube.list("Deployment", namespace, f"omnifleet.dev/pipeline={pipeline}")
     deployments += [d for d in kube.list("Deployment", dev.OPERATOR_NAMESPACE) if d["metadata"]["name"] ==
                     dev.OPERATOR_SA]
@@ -266,6 +271,12 @@ def recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int
         return f"pods still terminating: {terminating}"
     if not master_ready(address):
         return "the master's /ready is not 200"
+    spec = (kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE) or {}).get("spec") or {}
+    renewed = spec.get("renewTime")
+    age = (dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(renewed.replace("Z", "+00:00"))
+           ).total_seconds() if renewed else None
+    if age is None or age > spec.get("leaseDurationSeconds", 15):
+        return f"no operator replica leads: lease {LEASE} held by {spec.get('holderIdentity')!r}, renewed {renewed}"
     return None
 
 
@@ -274,9 +285,33 @@ def wait_recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str
     """Seconds from `since` (monotonic) until `recovered`; fails after `timeout` naming what is missing."""
     deadline = time.monotonic() + timeout
     while (missing := recovered(kube, namespace, pipeline, address)) is not None:
-        assert time.monotonic() < deadline, f"not recovered {timeout:.0f}s after the last kill: {missing}"
+        assert time.monotonic() < deadline, (f"not recovered {timeout:.0f}s after the last kill: {missing}\n"
+                                             f"{operator_state(kube)}")
         time.sleep(1.0)
     return time.monotonic() - since
+
+
+def wait_ready(kube: Kube, namespace: str, pipeline: str, timeout: float, generation: int | None = None) -> dict:
+    """Kube.wait_ready, failing with the operator's state."""
+    try:
+        return kube.wait_ready(namespace, pipeline, timeout=timeout, generation=generation)
+    except WaitTimeout as e:
+        raise WaitTimeout(f"{e}\n{operator_state(kube)}") from None
+
+
+def operator_state(kube: Kube, tail: int = 15) -> str:
+    """Who holds the operator's Lease, and each operator pod with the end of its log: what a failure
+    to reconcile is read from."""
+    lease = kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE) or {}
+    spec = lease.get("spec") or {}
+    lines = [f"operator lease: holder {spec.get('holderIdentity')!r}, renewed {spec.get('renewTime')}"]
+    for pod in kube.list("Pod", dev.OPERATOR_NAMESPACE, OPERATOR_SELECTOR):
+        name, statuses = pod["metadata"]["name"], pod["status"].get("containerStatuses") or []
+        lines.append(f"operator pod {name}: {pod['status'].get('phase')}, ready "
+                     f"{[s.get('ready') for s in statuses]}, restarts {[s.get('restartCount') for s in statuses]}")
+        logs = kube.kubectl("logs", "-n", dev.OPERATOR_NAMESPACE, name, f"--tail={tail}", check=False)
+        lines += ["  " + line for line in (logs.stdout or logs.stderr or "").splitlines()[-tail:]]
+    return "\n".join(lines)
 
 
 def report(load: Load, kills: list[Kill], recovery_s: float, **extra: Any) -> dict[str, Any]:

@@ -129,7 +129,7 @@ def test_random_pods_deleted_during_a_rollout_of_both_stages(pipe: Pipeline, clu
     killer.run(load.t0)
     load.join()
     recovery_s = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
-    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S, generation=generation)
+    chaos.wait_ready(kube, pipe.ns, NAME, RECOVER_TIMEOUT_S, generation=generation)
     record("rollout", chaos.report(load, killer.kills, recovery_s, seed=SEED + 1, restarts=restarts(pipe)))
 
     assert_every_outcome_allowed(load)
@@ -151,7 +151,7 @@ def test_with_two_masters_deleting_one_under_load_fails_no_request(pipe: Pipelin
     text, ids = pipe.expected()
     cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=merge", "-p", '{"spec":{"master":{"replicas":2}}}')
     generation = kube.pipeline(pipe.ns, NAME)["metadata"]["generation"]
-    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S, generation=generation)
+    chaos.wait_ready(kube, pipe.ns, NAME, RECOVER_TIMEOUT_S, generation=generation)
     masters = [q["metadata"]["name"] for q in pipe.pods("omnifleet.dev/component=master")]
     assert len(masters) == 2, masters
     before = restarts(pipe)
@@ -172,13 +172,13 @@ def test_with_two_masters_deleting_one_under_load_fails_no_request(pipe: Pipelin
     assert all(o.kind == chaos.REFUSED or (o.kind == "503 unavailable" and "shutting down" in o.detail)
                for o in others), others[:5]
     assert counts.get(chaos.OK, 0) > len(others), counts
-    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S)
+    chaos.wait_ready(kube, pipe.ns, NAME, RECOVER_TIMEOUT_S)
     stages = {k: v for k, v in restarts(pipe).items() if k in before and "master" not in k}
     assert stages == {k: v for k, v in before.items() if "master" not in k}  # no stage pod restarted
     # Back to one master, as the module's next tests expect.
     cluster.kubectl("patch", "-n", pipe.ns, f"omnip/{NAME}", "--type=merge", "-p", '{"spec":{"master":{"replicas":1}}}')
     generation = kube.pipeline(pipe.ns, NAME)["metadata"]["generation"]
-    kube.wait_ready(pipe.ns, NAME, timeout=RECOVER_TIMEOUT_S, generation=generation)
+    chaos.wait_ready(kube, pipe.ns, NAME, RECOVER_TIMEOUT_S, generation=generation)
     assert_exact_after(pipe, text, ids)
 
 
