@@ -260,10 +260,14 @@ GOALS: tuple[Goal, ...] = (
            "176.6 s); at 5b5e412 (no operator change since 6bfa976; N=1000 in three rounds, as the goal asks, "
            "where earlier runs had one) N=10 1.19x (1.15-1.23x, met), N=100 1.43x (1.38-1.53x; 16.7-18.7 against "
            "11.7-13.6 s), N=1000 1.31x (1.21-1.52x; 195.9-222.0 against 146.4-167.8 s), the operator's CPU "
-           "117.5-128.0 s for the 1000 pipelines. It writes 21 objects per pipeline where the direct client writes "
-           "the 16 children (three status writes, an Event and the keys Secret besides), on the same apiserver; a "
+           "117.5-128.0 s for the 1000 pipelines (that report as committed in 7b5294b); at 761d9cb (the election "
+           "retries failed Lease requests, a task that ends exits: nothing on the reconcile path) N=10 1.15x "
+           "(1.15-1.43x, met), N=100 1.26x (1.13-1.52x), N=1000 1.26x (1.12-1.43x: the operator took 194.2-198.4 s "
+           "in every round, the direct client 136.3-177.2 s), the operator's CPU 109.6-114.0 s. It writes 21 "
+           "objects per pipeline where the direct client writes the 16 children (three status writes, an Event "
+           "and the keys Secret besides), on the same apiserver; a "
            "cProfile run of that code at N=100 (not kept) put 34% of the operator's CPU in kopf's event "
-           "processing and indexing, 32% in the HTTP client (lightkube over httpx, which parses each request's "
+           "processing and indexing, 32% in the HTTP client (lightkube over httpx2, which parses each request's "
            "URL in Python) and 21% in the passes (render 9%)")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
