@@ -402,8 +402,8 @@ def run(args) -> dict[str, Any]:
             first_ipc = False
             r["ipc_touch"] = touch[1:]
             r["ipc_full_read"] = ipc.handoffs(size, ipc_iters + 1, full=True)[1:]
-            r["runtime_colocated"] = fleets.boundaries("colocated", size, ipc_iters)
-            r["runtime_two_pods"] = fleets.boundaries("two_pods", size, min(it, 10))
+            r["runtime_colocated"], r["runtime_colocated_arrival"] = fleets.boundaries("colocated", size, ipc_iters)
+            r["runtime_two_pods"], r["runtime_two_pods_arrival"] = fleets.boundaries("two_pods", size, min(it, 10))
             if cuda:
                 torch.cuda.empty_cache()
             res["sizes"][size] = r
@@ -450,12 +450,13 @@ class RuntimeFleets:
         for fleet in self.fleets.values():
             fleet.wait_ready(timeout=180)  # torch and CUDA start in every stage process
 
-    def boundaries(self, kind: str, size: int, n: int) -> list[float]:
+    def boundaries(self, kind: str, size: int, n: int) -> tuple[list[float], list[float]]:
         """n requests handing a float32 tensor of `size` bytes from producer to consumer (after one warm-up);
-        each one's boundary: producer's tensor ready -> consumer has read all of it (its sum)."""
+        each one's boundary (producer's tensor ready -> consumer has read all of it, its sum) and arrival
+        (producer's tensor ready -> the consumer's forward called with it)."""
         fleet = self.fleets[kind]
         client = C.HttpClient(fleet.api_port)
-        out = []
+        out, arrived = [], []
         try:
             for i in range(n + 1):
                 v = float(i % 7 + 1)
@@ -472,9 +473,10 @@ class RuntimeFleets:
                     raise RuntimeError(f"{kind}: the consumer read {d}, not {size // 4} values of {v}")
                 if i:
                     out.append(d["t1"] - d["t0"])
+                    arrived.append(d["t_in"] - d["t0"])
         finally:
             client.close()
-        return out
+        return out, arrived
 
     def close(self) -> None:
         for fleet in self.fleets.values():
@@ -492,7 +494,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         slow_whole_pg = min(rate["d2h_pinned"], rate["wire_whole"], rate["h2d_pageable"])
         slow_piped_pg = min(rate["d2h_pinned"], rate["wire_chunked"], rate["h2d_pageable"])
         row = {
-            "size": size, **{f"{k}_gbps": v for k, v in rate.items() if not k.startswith("ipc")},
+            "size": size, **{f"{k}_gbps": v for k, v in rate.items()
+                             if not k.startswith("ipc") and not k.endswith("arrival")},
             "boundary_whole_over_slowest_link": rate["boundary_whole"] / slow_whole,
             "boundary_pipelined_over_slowest_link": rate["boundary_pipelined"] / slow_piped,
             "boundary_whole_pageable_over_slowest_link": rate["boundary_whole_pageable"] / slow_whole_pg,
@@ -505,6 +508,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "wire_over_ipc": p50["boundary_whole"] / p50["ipc_touch"],
             "wire_pipelined_over_ipc": p50["boundary_pipelined"] / p50["ipc_touch"],
             "runtime_colocated_ms": p50["runtime_colocated"] * 1e3,
+            "runtime_colocated_arrival_ms": p50["runtime_colocated_arrival"] * 1e3,
+            "runtime_two_pods_arrival_ms": p50["runtime_two_pods_arrival"] * 1e3,
             "runtime_colocated_over_ipc_full_read": p50["runtime_colocated"] / p50["ipc_full_read"],
             "runtime_two_pods_over_slowest_link": rate["runtime_two_pods"] / slow_whole,
         }
@@ -586,11 +591,14 @@ def report(res: dict[str, Any], summ: dict[str, Any], dry: bool) -> str:
             "every value (p50). *Co-located*: one pod, the tensor goes by CUDA IPC handle "
             "(`wire.CudaIpc`); ratio over the raw IPC handoff with a full read, above. *Two pods*: host copy in "
             "the producer, the wire (`dataPlane: plain-auth`: authenticated, not encrypted), H2D in the consumer; ratio over the slowest link of the whole-frame path "
-            "(pinned D2H, wire in one frame, pinned H2D).", "",
-            C.md_table(["size", "co-located (ms)", "raw IPC full read (ms)", "co-located / raw IPC",
-                        "two pods GB/s", "two pods / slowest link"],
-                       [[C.fmt_size(r["size"]), f(r["runtime_colocated_ms"], 3), f(r["ipc_full_read_ms"], 3),
-                         f(r["runtime_colocated_over_ipc_full_read"]) + "x", f(r["runtime_two_pods_gbps"]),
+            "(pinned D2H, wire in one frame, pinned H2D). *Arrival*: the producer's tensor ready -> the consumer's "
+            "forward called with it (p50); the rest of the boundary is the consumer's read.", "",
+            C.md_table(["size", "co-located (ms)", "co-located arrival (ms)", "raw IPC full read (ms)",
+                        "co-located / raw IPC", "two pods GB/s", "two pods arrival (ms)", "two pods / slowest link"],
+                       [[C.fmt_size(r["size"]), f(r["runtime_colocated_ms"], 3),
+                         f(r["runtime_colocated_arrival_ms"], 3),
+                         f(r["ipc_full_read_ms"], 3), f(r["runtime_colocated_over_ipc_full_read"]) + "x",
+                         f(r["runtime_two_pods_gbps"]), f(r["runtime_two_pods_arrival_ms"], 3),
                          f(r["runtime_two_pods_over_slowest_link"]) + "x"] for r in summ["rows"]]), ""]
     if res["skipped"]:
         out += [f"Skipped for the time budget: {', '.join(C.fmt_size(s) for s in res['skipped'])}.", ""]
