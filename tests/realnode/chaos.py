@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from omnifleet_operator.devcluster import commands as dev
 from omnifleet_operator.devcluster import net
+from omnifleet_operator.leader import LEASE_NAME, LEASE_S
 from omnifleet_runtime import constants as C
 
 from ..e2e.kube import Kube, WaitTimeout, is_ready
@@ -50,7 +51,6 @@ CLIENT_TIMEOUT_S = DEADLINE_S + 30  # a request still unanswered by then is hung
 CONNECT_TIMEOUT_S = 10.0
 PAUSE_AFTER_FAILURE_S = 1.0  # a client does not spin on a pipeline that answers errors at once
 OPERATOR_SELECTOR = "app.kubernetes.io/component=operator"
-LEASE = "omnifleet-operator"  # held and renewed by the operator replica that reconciles
 
 
 @dataclass
@@ -271,12 +271,12 @@ def recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int
         return f"pods still terminating: {terminating}"
     if not master_ready(address):
         return "the master's /ready is not 200"
-    spec = (kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE) or {}).get("spec") or {}
+    spec = (kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE_NAME) or {}).get("spec") or {}
     renewed = spec.get("renewTime")
     age = (dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(renewed.replace("Z", "+00:00"))
            ).total_seconds() if renewed else None
-    if age is None or age > spec.get("leaseDurationSeconds", 15):
-        return f"no operator replica leads: lease {LEASE} held by {spec.get('holderIdentity')!r}, renewed {renewed}"
+    if age is None or age > spec.get("leaseDurationSeconds", LEASE_S):
+        return f"no operator replica leads: {LEASE_NAME} held by {spec.get('holderIdentity')!r}, renewed {renewed}"
     return None
 
 
@@ -302,7 +302,7 @@ def wait_ready(kube: Kube, namespace: str, pipeline: str, timeout: float, genera
 def operator_state(kube: Kube, tail: int = 15) -> str:
     """Who holds the operator's Lease, and each operator pod with the end of its log: what a failure
     to reconcile is read from."""
-    lease = kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE) or {}
+    lease = kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE_NAME) or {}
     spec = lease.get("spec") or {}
     lines = [f"operator lease: holder {spec.get('holderIdentity')!r}, renewed {spec.get('renewTime')}"]
     for pod in kube.list("Pod", dev.OPERATOR_NAMESPACE, OPERATOR_SELECTOR):
