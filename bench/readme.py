@@ -90,11 +90,15 @@ def cell(goal: Goal, section: dict[str, Any]) -> tuple[str, float | None]:
     return text, worst
 
 
-def measured(section: dict[str, Any]) -> str:
+def measured(section: dict[str, Any], gpu: bool = False) -> str:
+    """Commit, date, uncommitted changes and report of a section; with `gpu`, the card it ran on (a GPU goal
+    names the card it was set on, and another card's figure must not pass for it)."""
     prov = section.get("provenance") or {}
     parts = [f"`{prov['commit'][:7]}`" if prov.get("commit") else "commit unknown"]
     if prov.get("date"):
         parts.append(prov["date"])
+    if gpu and section.get("machine"):
+        parts.append("on " + section["machine"].split(", ")[0])
     if prov.get("dirty"):
         parts.append("with uncommitted changes to " + ", ".join(prov["dirty"]))
     elif prov.get("dirty") is None:
@@ -117,7 +121,7 @@ def render(latest: dict[str, Any], root: Path) -> str:
         verdict = ("misses" if any(timed_out(sec, k) for k in g.keys) else "-") if worst is None else g.verdict(worst)
         if stale.get(g.section):
             verdict += ", stale"
-        rows.append([g.figure, g.text(), text, measured(sec), verdict])
+        rows.append([g.figure, g.text(), text, measured(sec, gpu=g.section.startswith("gpu")), verdict])
         if verdict.startswith("misses") and g.why_missed:
             notes.append(f"- {g.figure} misses: {g.why_missed}.")
     stale_notes = [f"- `{name}` is stale: {why} (`python -m bench.{name}` measures it again)."
