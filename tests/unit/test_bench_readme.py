@@ -94,3 +94,13 @@ def test_the_table_says_misses_and_stale(tmp_path):
     late = next(line for line in table.splitlines() if line.startswith("| operator / direct bulk apply, time to all "
                                                                       "children, N=100 |"))
     assert "| timed out:" in late and late.endswith("| misses |")
+
+
+def test_a_gpu_figure_names_the_card_it_was_measured_on():
+    latest = json.loads((REPO / "bench" / "results" / "latest.json").read_text())
+    card = latest["gpu_boundary"]["machine"].split(", ")[0]
+    assert card.startswith("NVIDIA"), latest["gpu_boundary"]["machine"]
+    rows = [line for line in readme.render(latest, REPO).splitlines() if line.startswith("| ") and "GPU stages" in line]
+    assert len(rows) == 2 and all(f", on {card}, " in row for row in rows), rows
+    # the other sections do not name a machine there
+    assert not any(", on " in line for line in readme.render(latest, REPO).splitlines() if line.startswith("| per hop"))
