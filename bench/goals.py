@@ -77,9 +77,8 @@ GOALS: tuple[Goal, ...] = (
          "(bench/results/2026-12-05-data-plane-profiles/per-hop) spread a stage's part over the event loop's turns "
          "(about a quarter), the runtime's per-message code (a third) and logging, JSON and other library calls "
          "(the rest): no one part is large enough that removing it meets the goal. Since the runtime drives its "
-         "sockets itself (zsock, 2496c68) the ratio has moved with the machine more than with the code: 4.2-6.9x in "
-         "the runs "
-         "since 29b69c4 (the reports' history in git)"),
+         "sockets itself (zsock, 2496c68) the ratio has moved with the machine more than with the code: 4.2-6.9x "
+         "in the runs since 29b69c4 (the reports' history in git)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -185,17 +184,15 @@ GOALS: tuple[Goal, ...] = (
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
            why_missed=f"the operator's own CPU, 110-114 ms per pipeline at N=1000 at 761d9cb (the report's CPU "
            "table), on the same 2 cores as the apiserver, where the direct client renders nothing and writes the 16 "
-           "children (the "
-           "operator 21 per pipeline: three status writes, an Event and the keys Secret besides). A sampling profile "
-           "of the same code at N=100 (py-spy, not kept) put about 45% of it in kopf's per-event work (decoding watch "
-           "events, its index and queueing: two handlers per child event), about 25% in each pass's render and "
-           "compare, about 20% in the HTTP client (lightkube over httpx2); rendering is memoized where it is cheap to "
-           "(the config text), and a cache of whole renders would hold about 60 KiB per pipeline (tracemalloc), "
-           "past the memory goal at N=1000. Rounds vary with the machine more than between commits: at 761d9cb "
-           "N=100 1.13-1.52x and N=1000 1.12-1.43x (the operator 194.2-198.4 s in every round, the direct client "
-           "136.3-177.2 s); N=1000 "
-           "met once (1.16x at ccc24dd) and read 1.26-1.57x at the other commits since 201a0ae (older cProfile runs: "
-           f"{_CP_PROFILES})")
+           "children (the operator 21 per pipeline: three status writes, an Event and the keys Secret besides). A "
+           "sampling profile of the same code at N=100 (py-spy, not kept) put about 45% of it in kopf's per-event "
+           "work (decoding watch events, its index and queueing: two handlers per child event), about 25% in each "
+           "pass's render and compare, about 20% in the HTTP client (lightkube over httpx2); rendering is memoized "
+           "where it is cheap to (the config text), and a cache of whole renders would hold about 60 KiB per "
+           "pipeline (tracemalloc), past the memory goal at N=1000. Rounds vary with the machine more than between "
+           "commits: at 761d9cb N=100 1.13-1.52x and N=1000 1.12-1.43x (the operator 194.2-198.4 s in every round, "
+           "the direct client 136.3-177.2 s); N=1000 met once (1.16x at ccc24dd) and read 1.26-1.57x at the other "
+           f"commits since 201a0ae (older cProfile runs: {_CP_PROFILES})")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
          why_missed="the watch caches' copies of every child, kopf's memory of each watched object, and the "

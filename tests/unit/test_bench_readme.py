@@ -100,7 +100,8 @@ def test_a_gpu_figure_names_the_card_it_was_measured_on():
     latest = json.loads((REPO / "bench" / "results" / "latest.json").read_text())
     card = latest["gpu_boundary"]["machine"].split(", ")[0]
     assert card.startswith("NVIDIA"), latest["gpu_boundary"]["machine"]
-    rows = [line for line in readme.render(latest, REPO).splitlines() if line.startswith("| ") and "GPU stages" in line]
+    table = readme.render(latest, REPO).splitlines()
+    rows = [line for line in table if line.startswith("| ") and "GPU stages" in line]
     assert len(rows) == 2 and all(f", on {card}, " in row for row in rows), rows
     # the other sections do not name a machine there
-    assert not any(", on " in line for line in readme.render(latest, REPO).splitlines() if line.startswith("| per hop"))
+    assert not any(", on " in line for line in table if line.startswith("| per hop"))
