@@ -1,11 +1,13 @@
-"""kopf wiring: watch pipelines and their children, reconcile from a queue.
+"""kopf wiring: watch pipelines (kopf) and their children (watches), reconcile from a queue.
 
-Only `on.event` and `index` handlers are used, so kopf itself writes nothing:
-no finalizers, no bookkeeping annotations, no status fields of its own. They are
-coroutines: kopf runs a plain function in a thread of its executor, a hand-off per
-watch event that cost more than the handlers' own work (and the work queue is the
-event loop's, which is not thread-safe). kopf fills the indices before any event
-handler runs, so the first pass already sees every existing child and does not
+Only an `on.event` handler is used, so kopf itself writes nothing: no finalizers,
+no bookkeeping annotations, no status fields of its own. It is a coroutine: kopf
+runs a plain function in a thread of its executor, a hand-off per watch event
+that cost more than the handler's own work (and the work queue is the event
+loop's, which is not thread-safe). The children and their pods are kept by the
+operator's own list-and-watch caches (watches.py: kopf's per-event machinery was
+most of the operator's CPU in a mass create); the workers start once every cache
+has listed, so the first pass already sees every existing child and does not
 re-apply them after a restart.
 A fixed pool of workers drains a de-duplicating queue; a periodic resync
 re-checks every pipeline for drift and writes only differences.
@@ -25,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import kopf
+from lightkube import AsyncClient
 
 from omnifleet_runtime import constants as C
 
-from . import metrics
+from . import metrics, watches
 from .leader import Elector, LostLeadership
 from .metricsapi import MetricsApi, NotInstalled
 from .checks import Policy, add_policy_flags
@@ -60,7 +63,6 @@ CHILD_RESOURCES = [
     # Served only where the Prometheus Operator's CRDs are installed (kopf warns once otherwise).
     ("monitoring.coreos.com", "v1", "podmonitors"),
 ]
-OWNED = {C.LABEL_PIPELINE: kopf.PRESENT}
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 Key = tuple[str, str]
 
@@ -118,9 +120,11 @@ class State:
     def __init__(self) -> None:
         self.queue = WorkQueue()
         self.pipelines: dict[Key, dict[str, Any]] = {}
-        self.indices: dict[str, Any] = {}
+        self.namespaces: list[str] = []  # --namespace: watch only these; none: all
+        self.caches: list[watches.Cache] = []  # the children's and their pods' (see watches)
         self.tasks: list[asyncio.Task] = []
         self.api: Api | None = None
+        self.watch_client: AsyncClient | None = None
         self.policy = Policy()  # what this operator was started to allow (flags)
         self.custom_metrics_port = 0  # --custom-metrics-port: 0 serves no custom.metrics.k8s.io
         self.written: dict[str, dict[str, Any]] = {}  # by pipeline uid: the status last written
@@ -259,66 +263,55 @@ def _matters(event: dict[str, Any], body: Any, fingerprint: Any) -> bool:
     return True
 
 
-def _register_index(group: str, version: str, plural: str) -> None:
-    # Pipeline status reads a Deployment's status, and of no other kind.
+def _child_cache(group: str, version: str, plural: str) -> watches.Cache:
+    # Pipeline status reads a Deployment's status, and of no other kind; other kinds matter only for what
+    # they say (their generation) and their labels.
     deployment = plural == "deployments"
+    fingerprint = None if deployment else _spec_fingerprint
 
-    async def index(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
-        return {(namespace, labels[C.LABEL_PIPELINE]): _keep(body, deployment)}
+    def keep(body: dict[str, Any]) -> dict[str, Any]:
+        return _keep(body, deployment)
 
-    kopf.index(group, version, plural, labels=OWNED, id=f"{plural}_idx")(index)
-
-    # A Deployment's status is what pipeline status is made of; other kinds
-    # matter only for what they say (their generation) and their labels.
-    fingerprint = None if plural == "deployments" else _spec_fingerprint
-
-    async def changed(event: dict[str, Any], body: Any, namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
-        _capture(kwargs)
-        if event.get("type") == "DELETED":
+    def changed(kind: str | None, body: dict[str, Any], key: Key) -> None:
+        if kind == "DELETED":
             STATE.applied.forget(object_key(body))
             STATE.specs.pop(body["metadata"].get("uid"), None)
-        if _matters(event, body, fingerprint):
-            STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
+        if _matters({"type": kind}, body, fingerprint):
+            STATE.queue.add(key)
 
-    kopf.on.event(group, version, plural, labels=OWNED, id=f"{plural}_event")(changed)
-
-
-for _g, _v, _p in CHILD_RESOURCES:
-    _register_index(_g, _v, _p)
+    return watches.Cache(group, version, plural, keep, changed, STATE.namespaces, WATCH_TIMEOUT)
 
 
 POD_CONTAINER_FIELDS = ("name", "state", "lastState", "restartCount", "started")
 
 
-@kopf.index("", "v1", "pods", labels=OWNED)
-async def pods_idx(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict[Key, Any]:
-    # Only what status needs: a pod's stage and template (its revision), whether it is going, its conditions,
-    # why its containers failed, whether they started.
+def _keep_pod(body: dict[str, Any]) -> dict[str, Any]:
+    """Only what status needs of a pod: its stage and template (its revision), whether it is going, its
+    conditions, why its containers failed, whether they started."""
     st, meta = body.get("status") or {}, body["metadata"]
-    kept = {"name": meta["name"], "labels": dict(labels), "resourceVersion": meta.get("resourceVersion")}
+    kept = {"name": meta["name"], "labels": dict(meta.get("labels") or {}),
+            "resourceVersion": meta.get("resourceVersion")}
     template = (meta.get("annotations") or {}).get(C.ANNOTATION_TEMPLATE_HASH)
     if template:
         kept["annotations"] = {C.ANNOTATION_TEMPLATE_HASH: template}
     if meta.get("deletionTimestamp"):
         kept["deletionTimestamp"] = meta["deletionTimestamp"]
-    return {(namespace, labels[C.LABEL_PIPELINE]): {
-        "metadata": kept,
-        "status": {"conditions": list(st.get("conditions") or []),
-                   "containerStatuses": [{k: cs.get(k) for k in POD_CONTAINER_FIELDS}
-                                         for cs in st.get("containerStatuses") or []]},
-    }}
+    return {"metadata": kept,
+            "status": {"conditions": list(st.get("conditions") or []),
+                       "containerStatuses": [{k: cs.get(k) for k in POD_CONTAINER_FIELDS}
+                                             for cs in st.get("containerStatuses") or []]}}
 
 
-@kopf.on.event("", "v1", "pods", labels=OWNED)
-async def pods_event(event: dict[str, Any], body: Any, namespace: str, labels: dict[str, str], **kwargs: Any) -> None:
-    _capture(kwargs)
-    if _matters(event, body, _scheduling):
-        STATE.queue.add((namespace, labels[C.LABEL_PIPELINE]))
+def _pod_cache() -> watches.Cache:
+    def changed(kind: str | None, body: dict[str, Any], key: Key) -> None:
+        if _matters({"type": kind}, body, _scheduling):
+            STATE.queue.add(key)
+
+    return watches.Cache("", "v1", "pods", _keep_pod, changed, STATE.namespaces, WATCH_TIMEOUT)
 
 
 @kopf.on.event(C.GROUP, C.VERSION, C.PLURAL)
 async def pipeline_event(event: dict[str, Any], namespace: str, name: str, body: Any, **kwargs: Any) -> None:
-    _capture(kwargs)
     key = (namespace, name)
     if event.get("type") == "DELETED":
         STATE.pipelines.pop(key, None)
@@ -342,23 +335,17 @@ def _pipeline_fingerprint(body: Any) -> tuple:
     return meta.get("uid"), meta.get("generation"), meta.get("deletionTimestamp")
 
 
-def _capture(kwargs: dict[str, Any]) -> None:
-    if not STATE.indices:
-        STATE.indices = {k: v for k, v in kwargs.items() if k.endswith("_idx")}
-
-
 def children_of(key: Key) -> Children:
     out = Children()
-    for name, index in STATE.indices.items():
-        if key not in index:
-            continue
-        target = out.pods if name == "pods_idx" else out.objects
-        target.extend(index[key])
+    for cache in STATE.caches:
+        (out.pods if cache.plural == "pods" else out.objects).extend(cache.get(key))
     return out
 
 
 async def _work() -> None:
     controller = metrics.CONTROLLER
+    # The first pass of a pipeline sees every child that exists (none is applied again after a restart).
+    await asyncio.gather(*(cache.listed.wait() for cache in STATE.caches))
     while True:
         key = await STATE.queue.get()
         started, result = time.monotonic(), "error"
@@ -471,6 +458,11 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = WATCH_TIMEOUT + 10
     settings.networking.error_backoffs = [1, 2, 5]
     STATE.api = Api(applies_in_flight=WORKERS)
+    # The caches' streams get a client (a connection pool) of their own: they hold their connections.
+    STATE.watch_client = AsyncClient(field_manager=C.FIELD_MANAGER)
+    STATE.caches = [_child_cache(*kind) for kind in CHILD_RESOURCES] + [_pod_cache()]
+    for cache in STATE.caches:
+        _spawn(cache.run(STATE.watch_client._client._client))  # lightkube's httpx client: URL and credentials
     if STATE.custom_metrics_port:
         _spawn(_serve_custom_metrics(STATE.custom_metrics_port))
     lease_ns = os.environ.get(ENV_LEADER_ELECTION_NAMESPACE)
@@ -555,6 +547,8 @@ async def cleanup(**_: Any) -> None:
     STATE.tasks = []
     if STATE.api is not None:
         await STATE.api.client.close()
+    if STATE.watch_client is not None:
+        await STATE.watch_client.close()
 
 
 # Set (to the operator's namespace) when several replicas run: only the holder of a Lease there writes.
@@ -579,6 +573,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     STATE.policy = Policy.from_flags(args)
     STATE.custom_metrics_port = args.custom_metrics_port
+    STATE.namespaces = list(args.namespace)
     kopf.configure(verbose=args.verbose)  # kopf's own log format, for every logger
     metrics.count_watch_restarts(args.verbose)
     metrics.MAX_WORKERS.labels(metrics.CONTROLLER).set(WORKERS)

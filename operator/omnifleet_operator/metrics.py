@@ -43,7 +43,7 @@ WRITES = Counter("omnifleet_operator_writes", "Writes to the API server, by kind
                  "event).", ["kind", "verb"], registry=REGISTRY)
 WRITE_ERRORS = Counter("omnifleet_operator_write_errors", "Writes the API server refused or that failed, by kind "
                        "and verb.", ["kind", "verb"], registry=REGISTRY)
-WATCH_RESTARTS = Counter("omnifleet_operator_watch_restarts", "Watch streams kopf restarted (expired resource "
+WATCH_RESTARTS = Counter("omnifleet_operator_watch_restarts", "Watch streams restarted (expired resource "
                          "version, an inactive stream), by resource.", ["resource"], registry=REGISTRY)
 
 

@@ -59,6 +59,19 @@ def prune(value: Any) -> Any:
     return value
 
 
+_RESOLVED: list[Any] = [None, None, None]  # the document last rendered, its resolved form, that form's dump
+
+
+def _resolved(doc: OmniPipeline) -> tuple[OmniPipeline, dict[str, Any]]:
+    """resolve(doc) and its dump (read only), once per document: a render asks for them for the config and
+    every Deployment, and they were most of its cost. Keyed by identity: a parsed document is never changed,
+    and the next pass parses a new one."""
+    if _RESOLVED[0] is not doc:
+        resolved = resolve(doc)
+        _RESOLVED[:] = [doc, resolved, dump(resolved)]
+    return _RESOLVED[1], _RESOLVED[2]
+
+
 _CONFIG_TEXTS: dict[bytes, str] = {}  # digest of the pruned resolved pipeline's repr -> its YAML
 _CONFIG_TEXTS_MAX = 4096
 
@@ -70,7 +83,7 @@ def config_text(doc: OmniPipeline) -> str:
     every pass over every pipeline: the text is memoized by content (repr keeps
     1, 1.0, True and "1" apart), so an unchanged pipeline is dumped once.
     """
-    data = prune(dump(resolve(doc)))
+    data = prune(_resolved(doc)[1])
     key = hashlib.sha256(repr(data).encode()).digest()
     text = _CONFIG_TEXTS.get(key)
     if text is None:
@@ -82,7 +95,7 @@ def config_text(doc: OmniPipeline) -> str:
 
 def group_view(doc: OmniPipeline, host: str) -> Obj:
     """What a host stage's pods read from the config: its group and the defaults."""
-    d = dump(resolve(doc))["spec"]
+    d = _resolved(doc)[1]["spec"]
     # Scale-only fields stay out, so scaling never restarts pods.
     group = [{k: v for k, v in s.items() if k not in SCALE_FIELDS + POD_ONLY_FIELDS and not _unset_since(k, v)}
              for s in d["stages"] if s["name"] == host or s.get("colocateWith") == host]
@@ -96,7 +109,7 @@ def master_view(doc: OmniPipeline) -> Obj:
     those change, so master and stages always agree on them after a rollout.
     """
     keep = ROUTING_FIELDS + ("model", "samplingParams", "loras", "promptExpand")
-    d = dump(resolve(doc))["spec"]
+    d = _resolved(doc)[1]["spec"]
     # Scaling the masters rolls none of them.
     master = {k: v for k, v in d["master"].items() if k not in POD_ONLY_FIELDS + ("replicas",)}
     return {"model": d.get("model"), "master": master, "security": d["security"],
@@ -427,7 +440,7 @@ def build_master_pdb(doc: OmniPipeline, owner_uid: str | None = None) -> Obj | N
 
 def build_stage_deployment(doc: OmniPipeline, host: str, owner_uid: str | None = None,
                            keys_hash: str | None = None) -> Obj:
-    resolved = resolve(doc)
+    resolved = _resolved(doc)[0]
     group = resolved.spec.group(host)
     h = group[0]
     p = doc.metadata.name

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import copy
 
 import pytest
@@ -71,7 +70,7 @@ def test_the_pod_index_keeps_what_status_and_rollouts_read_a_revision_and_a_dele
                          "annotations": {C.ANNOTATION_TEMPLATE_HASH: "abc", "other": "dropped"},
                          "deletionTimestamp": "2026-12-02T00:00:00Z"},
             "spec": {"containers": [{"name": "stage"}]}, "status": {"phase": "Running"}}
-    (kept,) = asyncio.run(handlers.pods_idx(namespace="ns", labels=labels, body=body)).values()
+    kept = handlers._keep_pod(body)
     assert kept["metadata"] == {"name": "p-thinker-x", "labels": labels, "deletionTimestamp": "2026-12-02T00:00:00Z",
                                 "resourceVersion": "9",
                                 "annotations": {C.ANNOTATION_TEMPLATE_HASH: "abc"}}

@@ -2,7 +2,7 @@
 
 The operator's work loop (`handlers._work`) runs against an in-memory object store (a stand-in
 for the API server: these tests check which passes run and what they write, which needs no
-server); the watch caches are plain dicts of the kept objects, as kopf's indices hand them over.
+server); the watch caches are plain dicts of the kept objects, as the operator's watch caches hold them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import copy
 
 import pytest
 
-from omnifleet_operator import handlers
+from omnifleet_operator import handlers, watches
 from omnifleet_operator.reconcile import Children, reconcile
 
 from .test_keys_and_conflicts import BODY, FakeApi
@@ -62,7 +62,10 @@ def state(monkeypatch):
 
 def drain(st: handlers.State, children: Children) -> None:
     """Queue the pipeline (as a resync does) and let one worker run until the queue is empty."""
-    st.indices = {"objects_idx": {KEY: children.objects}}
+    cache = watches.Cache("apps", "v1", "deployments", lambda body: body, lambda *_: None)
+    cache.index = {KEY: {str(i): o for i, o in enumerate(children.objects)}}  # the uids the watch would give
+    cache.listed.set()
+    st.caches = [cache]
 
     async def go():
         worker = asyncio.create_task(handlers._work())
