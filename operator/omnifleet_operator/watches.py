@@ -62,6 +62,7 @@ class Cache:
         self._where: dict[str, Key] = {}  # uid -> its key (a pipeline label can be edited)
         self.listed = asyncio.Event()  # every namespace listed once (or the kind is not served)
         self._unlisted = set(self.namespaces)
+        self._seen_rv: dict[str, str] = {}  # namespace -> the last resourceVersion its stream showed
 
     def get(self, key: Key) -> list[Any]:
         objs = self.index.get(key)
@@ -127,6 +128,8 @@ class Cache:
                     self._mark_listed(namespace)
                 await asyncio.sleep(UNSERVED_RETRY_S)
             except Exception as e:  # the API server restarting, a dropped connection, a refusal
+                if rv is not None:  # resume after the last event applied, not from the stream's start
+                    rv = self._seen_rv.get(namespace, rv)
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
                 metrics.WATCH_RESTARTS.labels(resource=self.name).inc()
@@ -172,6 +175,7 @@ class Cache:
 
     async def _watch(self, http: Any, namespace: str, rv: str) -> str:
         """One watch stream from rv until the server ends it; the last resourceVersion seen."""
+        self._seen_rv[namespace] = rv
         params = {"labelSelector": C.LABEL_PIPELINE, "watch": "true", "allowWatchBookmarks": "true",
                   "resourceVersion": rv, "timeoutSeconds": self.watch_timeout_s}
         async with http.stream("GET", self._path(namespace), params=params,
@@ -192,10 +196,10 @@ class Cache:
                     if obj.get("code") == 410:
                         raise Expired()
                     raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
-                rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     obj.setdefault("apiVersion", self.api_version)
                     self.apply(kind, obj)
+                rv = self._seen_rv[namespace] = (obj.get("metadata") or {}).get("resourceVersion") or rv
         return rv
 
 
