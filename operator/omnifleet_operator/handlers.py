@@ -124,7 +124,7 @@ class State:
         self.caches: list[watches.Cache] = []  # the children's and their pods' (see watches)
         self.tasks: list[asyncio.Task] = []
         self.api: Api | None = None
-        self.watch_client: AsyncClient | None = None
+        self.watch_clients: dict[str, AsyncClient] = {}  # by namespace ("": all), for the caches' streams
         self.policy = Policy()  # what this operator was started to allow (flags)
         self.custom_metrics_port = 0  # --custom-metrics-port: 0 serves no custom.metrics.k8s.io
         self.written: dict[str, dict[str, Any]] = {}  # by pipeline uid: the status last written
@@ -458,11 +458,13 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = WATCH_TIMEOUT + 10
     settings.networking.error_backoffs = [1, 2, 5]
     STATE.api = Api(applies_in_flight=WORKERS)
-    # The caches' streams get a client (a connection pool) of their own: they hold their connections.
-    STATE.watch_client = AsyncClient(field_manager=C.FIELD_MANAGER)
+    # Each namespace's streams get a client of their own (lightkube's, for the API server's URL and
+    # credentials): a stream holds its connection, and one pool of 100 would not hold every stream of many
+    # namespaces, nor leave the workers' writes a connection.
+    STATE.watch_clients = {ns: AsyncClient(field_manager=C.FIELD_MANAGER) for ns in STATE.namespaces or [""]}
     STATE.caches = [_child_cache(*kind) for kind in CHILD_RESOURCES] + [_pod_cache()]
     for cache in STATE.caches:
-        _spawn(cache.run(STATE.watch_client._client._client))  # lightkube's httpx client: URL and credentials
+        _spawn(cache.run(lambda ns: STATE.watch_clients[ns]._client._client))
     if STATE.custom_metrics_port:
         _spawn(_serve_custom_metrics(STATE.custom_metrics_port))
     lease_ns = os.environ.get(ENV_LEADER_ELECTION_NAMESPACE)
@@ -547,8 +549,9 @@ async def cleanup(**_: Any) -> None:
     STATE.tasks = []
     if STATE.api is not None:
         await STATE.api.client.close()
-    if STATE.watch_client is not None:
-        await STATE.watch_client.close()
+    for client in STATE.watch_clients.values():
+        await client.close()
+    STATE.watch_clients = {}
 
 
 # Set (to the operator's namespace) when several replicas run: only the holder of a Lease there writes.

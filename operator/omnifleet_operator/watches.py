@@ -97,9 +97,10 @@ class Cache:
         base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
         return f"{base}/namespaces/{quote(namespace)}/{self.plural}" if namespace else f"{base}/{self.plural}"
 
-    async def run(self, http: Any) -> None:
-        """Keep the cache for as long as the operator runs (http: lightkube's httpx client)."""
-        await asyncio.gather(*(self._keep_namespace(http, ns) for ns in self.namespaces))
+    async def run(self, http_for: Callable[[str], Any]) -> None:
+        """Keep the cache for as long as the operator runs. http_for(namespace): the httpx client of that
+        namespace's stream ("": all namespaces), with the API server's URL and credentials."""
+        await asyncio.gather(*(self._keep_namespace(http_for(ns), ns) for ns in self.namespaces))
 
     async def _keep_namespace(self, http: Any, namespace: str) -> None:
         listed, failures, warned = False, 0, False

@@ -278,9 +278,10 @@ def describe_writes(writes: list[dict]) -> list[str]:
 class OperatorRunner:
     """The real operator (`python -m omnifleet_operator.cli operator`) as the ServiceAccount."""
 
-    def __init__(self, cluster: DevCluster, log: Path):
+    def __init__(self, cluster: DevCluster, log: Path, args: tuple[str, ...] = ()):
         self.cluster = cluster
         self.log = log
+        self.args = args  # more `omnifleet operator` flags
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -291,7 +292,7 @@ class OperatorRunner:
         with self.log.open("ab") as log:
             log.write(f"===== operator start #{self.starts + 1} =====\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(dev.operator_argv(url), stdin=subprocess.DEVNULL, stdout=log,
+            self.proc = subprocess.Popen(dev.operator_argv(url, list(self.args)), stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
                                          preexec_fn=parent_death_preexec(signal.SIGTERM))
         self.starts += 1

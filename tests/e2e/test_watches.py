@@ -12,6 +12,8 @@ from lightkube.resources.core_v1 import ConfigMap
 from omnifleet_operator import watches
 from omnifleet_runtime import constants as C
 
+from .kube import OperatorRunner, idle_period, load_sample, with_namespace
+
 
 @pytest.fixture
 async def client(cluster):
@@ -50,7 +52,7 @@ async def test_a_cache_lists_then_follows_creates_edits_moves_and_deletes(client
     await client.create(configmap(ns, "unlabelled", None))
     seen = Recorder()
     cache = watches.Cache("", "v1", "configmaps", lambda body: body, seen, [ns], watch_timeout_s=30)
-    task = asyncio.create_task(cache.run(client._client._client))
+    task = asyncio.create_task(cache.run(lambda ns: client._client._client))
     try:
         await asyncio.wait_for(cache.listed.wait(), 30)
         assert names(cache, (ns, "p1")) == {"before"} and seen.events == [(None, "before", (ns, "p1"))]
@@ -87,10 +89,36 @@ async def test_a_relist_counts_what_it_lacks_as_deleted(client, ns: str):
 
 async def test_a_kind_the_server_does_not_serve_counts_as_listed(client):
     cache = watches.Cache("example.invalid", "v1", "widgets", lambda body: body, Recorder())
-    task = asyncio.create_task(cache.run(client._client._client))
+    task = asyncio.create_task(cache.run(lambda ns: client._client._client))
     try:
         await asyncio.wait_for(cache.listed.wait(), 30)
         assert not task.done()  # it lists again now and then, for a CRD installed later
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_an_operator_of_some_namespaces_keeps_to_them(kube, operator, cluster, ns: str, tmp_path):
+    """`--namespace` twice: pipelines in those two are reconciled (each namespace's caches stream over a
+    client of their own), one in a third namespace is left alone."""
+    doc = load_sample("single.yaml")
+    name = doc["metadata"]["name"]
+    others = [f"{ns}-b", f"{ns}-c"]
+    for other in others:
+        cluster.kubectl("create", "namespace", other)
+    operator.stop()  # the suite's operator watches every namespace
+    scoped = OperatorRunner(cluster, tmp_path / "scoped.log", ("--namespace", ns, "--namespace", others[0]))
+    try:
+        scoped.start()
+        for where in (ns, *others):
+            kube.apply(with_namespace(doc, where))
+        for where in (ns, others[0]):
+            kube.wait_ready(where, name)
+        idle_period(2, "the scoped operator had time to touch the third namespace")
+        assert kube.children(others[1], name) == [] and not (kube.pipeline(others[1], name) or {}).get("status")
+    finally:
+        scoped.stop()
+        operator.start()
+        for other in others:
+            cluster.kubectl("delete", "omnipipelines", "--all", "-n", other, "--wait=false", check=False)
+            cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
