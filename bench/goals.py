@@ -182,25 +182,18 @@ GOALS: tuple[Goal, ...] = (
          "benchmark's session)"),
     *(Goal(f"operator / direct bulk apply, time to all children, N={n}", "control_plane",
            (f"operator_over_direct_children_N{n}",), "<=", 1.25,
-           why_missed=f"the operator's own CPU, 110-114 ms per pipeline at N=1000 at 761d9cb (the report's CPU "
-           "table), on the same 2 cores as the apiserver, where the direct client renders nothing and writes the 16 "
-           "children (the operator 21 per pipeline: three status writes, an Event and the keys Secret besides). A "
-           "sampling profile of the same code at N=100 (py-spy, not kept) put about 45% of it in kopf's per-event "
-           "work (decoding watch events, its index and queueing: two handlers per child event), about 25% in each "
-           "pass's render and compare, about 20% in the HTTP client (lightkube over httpx2); rendering is memoized "
-           "where it is cheap to (the config text), and a cache of whole renders would hold about 60 KiB per "
-           "pipeline (tracemalloc), past the memory goal at N=1000. Rounds vary with the machine more than between "
-           "commits: at 761d9cb N=100 1.13-1.52x and N=1000 1.12-1.43x (the operator 194.2-198.4 s in every round, "
-           "the direct client 136.3-177.2 s); N=1000 met once (1.16x at ccc24dd) and read 1.26-1.57x at the other "
-           f"commits since 201a0ae (older cProfile runs: {_CP_PROFILES})")
+           why_missed="the operator's work on the same 2 cores as the apiserver and the rest of the control "
+           "plane: at N=1000 at dd40ee4 its CPU until the last child existed was 43-50 s (the report's 'who did the "
+           "work' table), and the apiserver's 170-200 s against 146-157 s in the direct runs: the operator writes 21 "
+           "objects per pipeline where the direct client writes the 16 children (three status writes, an Event and "
+           "the keys Secret besides), and watches every child. Rounds vary with the machine more than between "
+           "commits: 1.16-1.40x at N=1000 at dd40ee4; at 761d9cb, before the children's watches left kopf, 1.12-1.43x "
+           f"(older cProfile runs: {_CP_PROFILES})")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
-         why_missed="the watch caches' copies of every child, kopf's memory of each watched object, and the "
-         "process's own base (the report's RSS before the apply: 67 MiB, then 177 KiB per pipeline at N=1000 "
-         "in the 2026-12-03 run at f87bb68, 174 KiB at 69ca306 and at e936ad9, 173 KiB at 3fa4f94; 74 MiB and 189 "
-         "KiB at 201a0ae, "
-         "that report as committed in 927fa36, before the keys were made by libsodium instead of cryptography's "
-         "OpenSSL)"),
+         why_missed="the watch caches' copies of every child and the process's own base (the report's RSS "
+         "before the apply: 66.5 MiB, then 138 KiB per pipeline at N=1000 at dd40ee4; 177-179 KiB at 761d9cb, when "
+         "kopf also kept a memory of each watched child)"),
     Goal("operator writes on an idle resync", "control_plane",
          tuple(f"idle_writes_N{n}" for n in (10, 100, 1000)), "<=", 0, unit="writes",
          label={f"idle_writes_N{n}": f"N={n}" for n in (10, 100, 1000)}),
