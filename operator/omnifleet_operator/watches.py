@@ -62,7 +62,8 @@ class Cache:
         self._where: dict[str, Key] = {}  # uid -> its key (a pipeline label can be edited)
         self.listed = asyncio.Event()  # every namespace listed once (or the kind is not served)
         self._unlisted = set(self.namespaces)
-        self._seen_rv: dict[str, str] = {}  # namespace -> the last resourceVersion its stream showed
+        # namespace -> the resourceVersion its next watch starts from: its list's, then the last event's
+        self._seen_rv: dict[str, str] = {}
 
     def get(self, key: Key) -> list[Any]:
         objs = self.index.get(key)
@@ -74,11 +75,12 @@ class Cache:
         uid, pipeline = meta.get("uid"), (meta.get("labels") or {}).get(C.LABEL_PIPELINE)
         if not uid:
             return
-        old = self._where.pop(uid, None)
-        if old is not None:
+        old, key = self._where.get(uid), (meta.get("namespace") or "", pipeline)
+        kept = kind != "DELETED" and pipeline is not None
+        if old is not None and (old != key or not kept):
+            del self._where[uid]
             self._drop(old, uid)
-        key = (meta.get("namespace") or "", pipeline)
-        if kind != "DELETED" and pipeline is not None:
+        if kept:  # in place when it stays: a pipeline's children keep their order (its steady digest too)
             self.index.setdefault(key, {})[uid] = self.keep(body)
             self._where[uid] = key
         if old is not None and old != key:
@@ -103,34 +105,27 @@ class Cache:
         await asyncio.gather(*(self._keep_namespace(http_for(ns), ns) for ns in self.namespaces))
 
     async def _keep_namespace(self, http: Any, namespace: str) -> None:
-        listed, failures, warned = False, 0, False
-        rv: str | None = None
+        failures, warned = 0, False
         while True:
             try:
-                if rv is None:
-                    rv = await self._relist(http, namespace)
-                    if not listed:
-                        listed = True
-                        self._mark_listed(namespace)
-                rv = await self._watch(http, namespace, rv)
+                if namespace not in self._seen_rv:
+                    self._seen_rv[namespace] = await self._relist(http, namespace)
+                    self._mark_listed(namespace)
+                await self._watch(http, namespace)  # a failed one resumes after the last event it applied
                 failures = 0
             except asyncio.CancelledError:
                 raise
             except Expired:
-                rv = None
+                self._seen_rv.pop(namespace, None)
                 metrics.WATCH_RESTARTS.labels(resource=self.name).inc()
             except Unserved:
                 if not warned:
                     log.warning("%s is not served by the API server; listing it again every %.0f s",
                                 self.name, UNSERVED_RETRY_S)
                     warned = True
-                if not listed:
-                    listed = True
-                    self._mark_listed(namespace)
+                self._mark_listed(namespace)
                 await asyncio.sleep(UNSERVED_RETRY_S)
             except Exception as e:  # the API server restarting, a dropped connection, a refusal
-                if rv is not None:  # resume after the last event applied, not from the stream's start
-                    rv = self._seen_rv.get(namespace, rv)
                 delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
                 failures += 1
                 metrics.WATCH_RESTARTS.labels(resource=self.name).inc()
@@ -138,7 +133,7 @@ class Cache:
                             f" in {namespace}" if namespace else "", _reason(e), delay)
                 await asyncio.sleep(delay)
 
-    def _mark_listed(self, namespace: str) -> None:
+    def _mark_listed(self, namespace: str) -> None:  # idempotent
         self._unlisted.discard(namespace)
         if not self._unlisted:
             self.listed.set()
@@ -150,10 +145,7 @@ class Cache:
         seen: set[str] = set()
         while True:
             resp = await http.get(self._path(namespace), params=params)
-            if resp.status_code == 404:
-                raise Unserved()
-            if resp.status_code == 410:
-                raise Expired()  # the continue token expired: list again from the start
+            _refused(resp.status_code)  # 410: the continue token expired; list again from the start
             resp.raise_for_status()
             page = _decode(resp.content)
             kind = str(page.get("kind") or "").removesuffix("List")
@@ -174,17 +166,15 @@ class Cache:
             self.on_event("DELETED", _stub(kept, uid, key), key)
         return str(meta.get("resourceVersion") or "")
 
-    async def _watch(self, http: Any, namespace: str, rv: str) -> str:
-        """One watch stream from rv until the server ends it; the last resourceVersion seen."""
-        self._seen_rv[namespace] = rv
+    async def _watch(self, http: Any, namespace: str) -> None:
+        """One watch stream from the namespace's resourceVersion until the server ends it, that
+        resourceVersion following the events applied."""
+        rv = self._seen_rv[namespace]
         params = {"labelSelector": C.LABEL_PIPELINE, "watch": "true", "allowWatchBookmarks": "true",
                   "resourceVersion": rv, "timeoutSeconds": self.watch_timeout_s}
         async with http.stream("GET", self._path(namespace), params=params,
                                timeout=self.watch_timeout_s + 10) as resp:
-            if resp.status_code == 410:
-                raise Expired()
-            if resp.status_code == 404:
-                raise Unserved()
+            _refused(resp.status_code)
             if resp.status_code != 200:
                 await resp.aread()
                 resp.raise_for_status()
@@ -201,7 +191,13 @@ class Cache:
                     obj.setdefault("apiVersion", self.api_version)
                     self.apply(kind, obj)
                 rv = self._seen_rv[namespace] = (obj.get("metadata") or {}).get("resourceVersion") or rv
-        return rv
+
+
+def _refused(status: int) -> None:
+    if status == 410:
+        raise Expired()
+    if status == 404:
+        raise Unserved()
 
 
 def _stub(kept: Any, uid: str, key: Key) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from lightkube.resources.core_v1 import ConfigMap
 
 from omnifleet_operator import watches
 from omnifleet_runtime import constants as C
+from tests.waiting import until
 
 from .kube import OperatorRunner, idle_period, load_sample, with_namespace
 
@@ -33,14 +34,6 @@ class Recorder:
 
     def __call__(self, kind, body, key):
         self.events.append((kind, body["metadata"]["name"], key))
-
-
-async def until(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def names(cache: watches.Cache, key) -> set[str]:

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from fleet_harness import free_port, pipeline, stage, wait_until
+from tests.waiting import until
 
 LOAD_PER_WORKER = 15  # requests each load worker sends (bounded load)
 WORKERS_PER_MASTER = 3
@@ -17,15 +18,6 @@ HELD_PER_MASTER = 3
 
 def two_stage_pipeline():
     return pipeline(stage("a", "held_upper"), stage("b", "exclaim", inputs=["a"], finalOutput="text"))
-
-
-async def until(pred, what: str, timeout: float = 30.0) -> None:
-    """wait_until for a test whose own event loop runs the clients (a bounded loop that yields)."""
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
 def client_of(fleet, api_port: int) -> openai.AsyncOpenAI:

@@ -14,6 +14,7 @@ import pytest
 
 from omnifleet_operator import handlers, watches
 from omnifleet_operator.reconcile import Children, reconcile
+from omnifleet_runtime import constants as C
 
 from .test_keys_and_conflicts import BODY, FakeApi
 
@@ -125,3 +126,28 @@ def test_a_pass_that_wrote_failed_or_waits_is_not_steady():
     lost.objects = [o for o in lost.objects if o["kind"] != "Service"]  # one child deleted: to be made again
     out = asyncio.run(reconcile(failing, copy.deepcopy(BODY), lost, last_status=settled.status))
     assert not out.steady  # an error is retried by the next resync
+
+
+def test_a_cache_keeps_a_child_in_place_when_it_changes_and_reports_moves_and_deletions():
+    """An event for a child that stays in its pipeline updates it where it is: the pipeline's children keep
+    their order, so their steady digest does not change with the order of their events."""
+    events = []
+    cache = watches.Cache("apps", "v1", "deployments", lambda body: body["metadata"]["resourceVersion"],
+                          lambda kind, body, key: events.append((kind, body["metadata"]["name"], key)))
+
+    def obj(name, pipeline, rv="1"):
+        labels = {C.LABEL_PIPELINE: pipeline} if pipeline else {}
+        return {"metadata": {"name": name, "uid": f"u-{name}", "namespace": "ns", "labels": labels,
+                             "resourceVersion": rv}}
+
+    for name in "abc":
+        cache.apply("ADDED", obj(name, "p"))
+    cache.apply("MODIFIED", obj("a", "p", rv="2"))
+    assert cache.get(("ns", "p")) == ["2", "1", "1"]  # a changed, still first
+    cache.apply("MODIFIED", obj("b", "q"))  # its label moved it to another pipeline
+    assert cache.get(("ns", "p")) == ["2", "1"] and cache.get(("ns", "q")) == ["1"]
+    assert events[-2:] == [("DELETED", "b", ("ns", "p")), ("MODIFIED", "b", ("ns", "q"))]
+    cache.apply("MODIFIED", obj("c", None))  # its label removed: it left the pipeline, unseen from now on
+    assert cache.get(("ns", "p")) == ["2"] and events[-1] == ("DELETED", "c", ("ns", "p"))
+    cache.apply("DELETED", obj("b", "q"))
+    assert cache.get(("ns", "q")) == [] and ("ns", "q") not in cache.index and events[-1][0] == "DELETED"
