@@ -35,7 +35,8 @@ from . import metrics, watches
 from .leader import Elector, LostLeadership
 from .metricsapi import MetricsApi, NotInstalled
 from .checks import Policy, add_policy_flags
-from .reconcile import Api, AppliedCache, Children, MasterReads, event_object, now_iso, object_key, reconcile
+from .reconcile import (Api, AppliedCache, Children, MasterReads, event_object, namespace_terminating, now_iso,
+                        object_key, reconcile)
 from .status import Event
 
 log = logging.getLogger("omnifleet.operator")
@@ -421,6 +422,8 @@ async def _post_event(body: dict[str, Any], ev: Event) -> None:
     except asyncio.CancelledError:
         raise
     except Exception as err:  # an event is best effort: the status already says it
+        if namespace_terminating(err):
+            return
         log.warning("%s/%s: posting event %s failed: %s", body["metadata"].get("namespace"),
                     body["metadata"]["name"], ev.reason, err)
 

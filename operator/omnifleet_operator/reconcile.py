@@ -454,6 +454,15 @@ def _counted(kind: str, verb: str) -> Iterator[None]:
     metrics.count_write(kind, verb, ok=True)
 
 
+def namespace_terminating(err: BaseException) -> bool:
+    """A create refused because its namespace is being deleted. Nothing can be made there any more, and the
+    namespace's deletion takes the pipeline with it: no failure to report or retry (Kubernetes' own
+    controllers treat it the same)."""
+    if not isinstance(err, ApiError) or err.status.code != 403 or err.status.details is None:
+        return False
+    return any(c.reason == "NamespaceTerminating" for c in err.status.details.causes or ())
+
+
 def _api_error_text(err: Exception) -> str:
     if isinstance(err, ApiError):
         return f"{err.status.code} {err.status.reason}: {err.status.message}"
@@ -469,6 +478,7 @@ class Writes:
     taken: list[Obj] = field(default_factory=list)  # a create-only apply found the name in use
     ours: list[Obj] = field(default_factory=list)  # of those, this pipeline's (not in the watch yet)
     error: str | None = None
+    terminating: bool = False  # a create was refused: the namespace is being deleted
 
     def record(self, obj: Obj, rv: int | None, cache: AppliedCache | None, created: bool) -> None:
         if cache is not None:
@@ -484,6 +494,8 @@ class Writes:
                 raise rv
             if isinstance(rv, Exists):
                 self.taken.append(obj)
+            elif namespace_terminating(rv):
+                self.terminating = True
             elif isinstance(rv, BaseException):  # reported in status; the next pass retries
                 self.error = self.error or _api_error_text(rv)
             else:
@@ -591,8 +603,10 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
                 else:
                     writes.record(new_keys, rv, cache, created=live_secret is None)
         except Exception as err:  # reported in status; the next pass retries
-            apply_error, wanted = _api_error_text(err), []
-            log.warning("%s/%s: reading children failed: %s", namespace, name, apply_error)
+            wanted, writes.terminating = [], namespace_terminating(err)
+            if not writes.terminating:
+                apply_error = _api_error_text(err)
+                log.warning("%s/%s: reading children failed: %s", namespace, name, apply_error)
         if conflicts:
             wanted = []
         elif (held := master_keys_hold(wanted, children)) is not None:
@@ -610,7 +624,7 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
         # pipelines would leave the apiserver idle between round trips.
         await writes.apply(api, [o for o in todo.create if o["kind"] not in WORKLOAD_KINDS], cache, create_only=True)
         conflicts += await writes.resolve(api, uid)
-        if not conflicts and writes.error is None:
+        if not conflicts and writes.error is None and not writes.terminating:
             await asyncio.gather(
                 writes.apply(api, [o for o in todo.create if o["kind"] in WORKLOAD_KINDS], cache, create_only=True),
                 writes.apply(api, todo.apply, cache))
@@ -626,7 +640,7 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
         outcome.applied += len(writes.done)
         write_error = writes.error
         try:
-            for obj in todo.delete if write_error is None and not conflicts else ():
+            for obj in todo.delete if write_error is None and not conflicts and not writes.terminating else ():
                 await api.delete(obj)
                 outcome.deleted += 1
         except Exception as err:
@@ -634,6 +648,8 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
         if write_error is not None:
             apply_error = write_error
             log.warning("%s/%s: apply failed: %s", namespace, name, apply_error)
+        if writes.terminating:
+            log.info("%s/%s: the namespace is being deleted: nothing more is made in it", namespace, name)
 
     deployments = {o["metadata"]["name"]: o for o in children.objects if o.get("kind") == "Deployment"}
     prior = last_status if last_status is not None else (body.get("status") or {})

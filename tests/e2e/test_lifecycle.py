@@ -1,6 +1,6 @@
 """Cases 6 and 9: deleting a pipeline garbage-collects every child; an operator
 killed mid-reconcile leaves neither duplicates nor orphans, and an idle operator
-writes nothing.
+writes nothing. A pass racing its namespace's deletion reports no failure.
 
 Writes are counted from the API server's audit log (by the operator's
 ServiceAccount user): in Kubernetes 1.36 apiserver_request_total has no client
@@ -9,11 +9,17 @@ label, so /metrics cannot say who wrote.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+from lightkube import AsyncClient, KubeConfig
+
+from omnifleet_operator.reconcile import Api, AppliedCache, Children, reconcile
+from omnifleet_operator.status import APPLY_FAILED
 
 from .kube import (
-    LABEL_PIPELINE, LABELLED_KINDS, OPERATOR_USER, RESYNC_S, Kube, describe_writes, idle_period, is_ready, key_of,
-    load_sample, operator_writes, render, wait_for, wait_namespaces_gone, weights, with_namespace,
+    LABEL_PIPELINE, LABELLED_KINDS, OPERATOR_USER, RESYNC_S, Kube, describe_writes, idle_period, is_ready,
+    key_of, load_sample, operator_writes, render, wait_for, wait_namespaces_gone, weights, with_namespace,
 )
 
 
@@ -73,3 +79,50 @@ def test_restart_mid_reconcile_then_idle(kube: Kube, operator, cluster, ns: str,
               f"({seconds / RESYNC_S:.1f} resync periods of {RESYNC_S:.0f}s); children at kill: {len(at_kill)}")
     assert writes == [], describe_writes(writes)
     assert is_ready(kube.pipeline(ns, "speech"))
+
+
+
+@pytest.mark.parametrize("keys", ["to make", "kept"])
+async def test_a_pass_in_a_namespace_being_deleted_makes_nothing_and_reports_no_failure(
+        kube: Kube, cluster, ns: str, caplog: pytest.LogCaptureFixture, keys: str):
+    """The race of a pass that read its pipeline before the namespace's deletion: every create is refused
+    (NamespaceTerminating), the keys Secret's or ("kept": one an earlier pass made) the other children's.
+    That is no apply failure to report, retry or warn of: the namespace's deletion takes the pipeline with
+    it. Finalizers hold the namespace Terminating and the pipeline stored."""
+    hold = "omnifleet.test/hold"
+    doc = with_namespace(load_sample("single.yaml"), ns)
+    name = doc["metadata"]["name"]
+    doc["metadata"]["finalizers"] = [hold]
+    kube.apply([doc, {"apiVersion": "v1", "kind": "ConfigMap",
+                      "metadata": {"name": "hold", "namespace": ns, "finalizers": [hold]}}])
+    client = AsyncClient(config=KubeConfig.from_file(str(cluster.kubeconfig)))
+    api, children = Api(client), Children()
+    try:
+        if keys == "kept":
+            await reconcile(api, kube.pipeline(ns, name), Children(), cache=AppliedCache())  # or the operator did
+            children.objects = [{**o, "apiVersion": "v1", "kind": "Secret"}  # a list's items carry neither
+                                for o in kube.list("Secret", ns, f"{LABEL_PIPELINE}={name}")]
+            assert children.objects, "the keys Secret"
+        kube.kubectl("delete", "namespace", ns, "--wait=false")
+        wait_for(lambda: (kube.pipeline(ns, name) or {}).get("metadata", {}).get("deletionTimestamp"), 60,
+                 "the namespace's deletion reached the pipeline")
+        wait_for(lambda: not kube.children(ns, name, LABELLED_KINDS), 90, "no child of the pipeline left")
+        body = kube.pipeline(ns, name)
+        for key in ("deletionTimestamp", "deletionGracePeriodSeconds"):  # as read before the deletion
+            body["metadata"].pop(key, None)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="omnifleet.reconcile"):
+            first = await reconcile(api, body, children, cache=AppliedCache())
+            again = await reconcile(api, body, children, last_status=first.status, cache=AppliedCache())
+        assert first.applied == first.deleted == 0
+        reasons = {c["type"]: c["reason"] for c in first.status["conditions"]}
+        assert APPLY_FAILED not in reasons.values(), reasons
+        assert again.steady, "a pass that can make nothing in a namespace being deleted is retried"
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not warnings, warnings
+        assert any("namespace is being deleted" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        await client.close()
+        for kind, obj in (("omnipipeline", name), ("configmap", "hold")):
+            kube.kubectl("patch", kind, obj, "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
+                         check=False)
