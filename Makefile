@@ -19,10 +19,11 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/python -m omnifleet_operator.main
 
+# --durations: the slowest tests, to tell where a run near its time limit went.
 test: setup
 	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_cpu
 	$(BIN)/python -m omnifleet_runtime.devsetup.vllm_omni_env
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The repo's images (runtime/Dockerfile, operator/Dockerfile) built with buildah on local bases;
 # loaded into the dev node when the dev cluster runs.
