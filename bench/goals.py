@@ -105,10 +105,11 @@ GOALS: tuple[Goal, ...] = (
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
          "paid on top of a raw handoff of 0.5-0.7 ms, so 16-64 MiB sit near the limit and cross it from run to run "
-         "(1.71-2.09x at 16 MiB in the H200 runs since 29b69c4); from 256 MiB it meets. At "
-         "eb909a6 on an H100 host (no H200 could be had that day): 2.51x at 16 MiB and 2.07x at 64 MiB, the hop 1.55 "
-         "ms, of which 1.44 ms passed before the consumer's forward was called (the report's arrival column), against "
-         "a raw handoff of 0.61 ms; a sampling profile of the two stage processes (py-spy, 4,800 handoffs of 16 MiB, "
+         "(1.71-2.17x at 16 MiB in the H200 runs since 29b69c4); from 256 MiB it meets. At 0feeec2 on an H200 "
+         "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
+         "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
+         "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
+         "stage processes at eb909a6 (py-spy, 4,800 handoffs of 16 MiB, "
          "not kept) put about 140 us of the consumer's part in opening the producer's CUDA IPC handle (torch's "
          "`_new_shared_cuda`, holding the GIL; the raw handoff opens it too) and about 70 us of the producer's in "
          "exporting it (`_share_cuda_`); the rest is the hop"),
