@@ -188,7 +188,11 @@ GOALS: tuple[Goal, ...] = (
            "work' table), and the apiserver's 170-200 s against 146-157 s in the direct runs: the operator writes 21 "
            "objects per pipeline where the direct client writes the 16 children (three status writes, an Event and "
            "the keys Secret besides), and watches every child. Rounds vary with the machine more than between "
-           "commits: 1.16-1.40x at N=1000 at dd40ee4; at 761d9cb, before the children's watches left kopf, 1.12-1.43x "
+           "commits: 1.16-1.40x at N=1000 at dd40ee4, 1.11-1.38x at c500217; at 761d9cb, before the children's "
+           "watches left kopf, 1.12-1.43x. At aa66307 (a change to the path of a refused create only) 1.25-1.51x at "
+           "N=1000 and 1.23-1.29x at N=100; its third N=1000 round matches c500217's third in time (270.9 s against "
+           "265.6 s) and in each process's CPU until the last child existed (operator 70.0 s against 69.8, apiserver "
+           "275 s against 272), and its first two rounds ran as slowly, where c500217's ran in 187 and 231 s "
            f"(older cProfile runs: {_CP_PROFILES})")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
