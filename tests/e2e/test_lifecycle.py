@@ -18,8 +18,8 @@ from omnifleet_operator.reconcile import Api, AppliedCache, Children, reconcile
 from omnifleet_operator.status import APPLY_FAILED
 
 from .kube import (
-    LABEL_PIPELINE, LABELLED_KINDS, OPERATOR_USER, RESYNC_S, Kube, describe_writes, idle_period, is_ready,
-    key_of, load_sample, operator_writes, render, wait_for, wait_namespaces_gone, weights, with_namespace,
+    LABEL_PIPELINE, LABELLED_KINDS, OPERATOR_USER, RESYNC_S, Kube, describe_writes, idle_period, is_ready, key_of,
+    load_sample, operator_writes, render, wait_for, wait_namespaces_gone, weights, with_namespace,
 )
 
 
@@ -79,7 +79,6 @@ def test_restart_mid_reconcile_then_idle(kube: Kube, operator, cluster, ns: str,
               f"({seconds / RESYNC_S:.1f} resync periods of {RESYNC_S:.0f}s); children at kill: {len(at_kill)}")
     assert writes == [], describe_writes(writes)
     assert is_ready(kube.pipeline(ns, "speech"))
-
 
 
 @pytest.mark.parametrize("keys", ["to make", "kept"])
