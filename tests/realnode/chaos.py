@@ -248,47 +248,67 @@ def master_ready(address: tuple[str, int]) -> bool:
         conn.close()
 
 
-def recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int]) -> str | None:
-    """What is not back yet (None: all is): the pipeline Ready, each of its Deployments and the operator's
-    with every wanted replica ready and no pod terminating, the master answering /ready, and an operator
-    replica leading (its Lease renewed within the Lease's duration)."""
+def missing(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int]) -> dict[str, str]:
+    """Each part not back yet, with what is missing (empty: all is back): the pipeline Ready, each of its
+    Deployments and the operator's with every wanted replica ready, no pod terminating, the master answering
+    /ready, and an operator replica leading (its Lease renewed within the Lease's duration)."""
+    out: dict[str, str] = {}
     doc = kube.pipeline(namespace, pipeline)
     if not doc or not is_ready(doc):
         st = (doc or {}).get("status") or {}
-        return (f"pipeline not Ready (generation {(doc or {}).get('metadata', {}).get('generation')}, observed "
-                f"{st.get('observedGeneration')}): {st.get('message')}")
+        out["pipeline Ready"] = (f"pipeline not Ready (generation {(doc or {}).get('metadata', {}).get('generation')}, "
+                                 f"observed {st.get('observedGeneration')}): {st.get('message')}")
     deployments = kube.list("Deployment", namespace, f"omnifleet.dev/pipeline={pipeline}")
     deployments += [d for d in kube.list("Deployment", dev.OPERATOR_NAMESPACE) if d["metadata"]["name"] ==
                     dev.OPERATOR_SA]
     for d in deployments:
         want, st = d["spec"].get("replicas", 1), d.get("status") or {}
         if st.get("readyReplicas", 0) != want or st.get("updatedReplicas", 0) != want:
-            return f"deployment {d['metadata']['name']}: {st.get('readyReplicas', 0)}/{want} ready"
+            out[f"deployment {d['metadata']['name']}"] = (f"deployment {d['metadata']['name']}: "
+                                                          f"{st.get('readyReplicas', 0)}/{want} ready")
     pods = kube.list("Pod", namespace, f"omnifleet.dev/pipeline={pipeline}")
     pods += kube.list("Pod", dev.OPERATOR_NAMESPACE, OPERATOR_SELECTOR)
     terminating = [p["metadata"]["name"] for p in pods if p["metadata"].get("deletionTimestamp")]
     if terminating:
-        return f"pods still terminating: {terminating}"
+        out["no pod terminating"] = f"pods still terminating: {terminating}"
     if not master_ready(address):
-        return "the master's /ready is not 200"
+        out["master /ready"] = "the master's /ready is not 200"
     spec = (kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE_NAME) or {}).get("spec") or {}
     renewed = spec.get("renewTime")
     age = (dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(renewed.replace("Z", "+00:00"))
            ).total_seconds() if renewed else None
     if age is None or age > spec.get("leaseDurationSeconds", LEASE_S):
-        return f"no operator replica leads: {LEASE_NAME} held by {spec.get('holderIdentity')!r}, renewed {renewed}"
-    return None
+        out["operator Lease"] = (f"no operator replica leads: {LEASE_NAME} held by {spec.get('holderIdentity')!r}, "
+                                 f"renewed {renewed}")
+    return out
+
+
+@dataclass
+class Recovery:
+    seconds: float  # from `since` until every part was back
+    first_check_s: float  # from `since` to the first check (parts back by then have no time of their own)
+    back_s: dict[str, float]  # each part missing at some check: when it was seen back, from `since`
 
 
 def wait_recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int], since: float,
-                   timeout: float) -> float:
-    """Seconds from `since` (monotonic) until `recovered`; fails after `timeout` naming what is missing."""
+                   timeout: float) -> Recovery:
+    """Until every part of `missing` is back, checked every second: when each part came back (what came back
+    last is what recovery waited for); fails after `timeout` naming what is missing."""
     deadline = time.monotonic() + timeout
-    while (missing := recovered(kube, namespace, pipeline, address)) is not None:
-        assert time.monotonic() < deadline, (f"not recovered {timeout:.0f}s after the last kill: {missing}\n"
-                                             f"{operator_state(kube)}")
+    first = time.monotonic() - since
+    back: dict[str, float] = {}
+    away: set[str] = set()
+    while True:
+        gone = missing(kube, namespace, pipeline, address)
+        now = time.monotonic() - since
+        for part in away - set(gone):
+            back[part] = round(now, 1)
+        away = set(gone)
+        if not gone:
+            return Recovery(now, round(first, 1), back)
+        assert time.monotonic() < deadline, (f"not recovered {timeout:.0f}s after the last kill: "
+                                             f"{'; '.join(gone.values())}\n{operator_state(kube)}")
         time.sleep(1.0)
-    return time.monotonic() - since
 
 
 def wait_ready(kube: Kube, namespace: str, pipeline: str, timeout: float, generation: int | None = None) -> dict:
@@ -314,7 +334,7 @@ def operator_state(kube: Kube, tail: int = 15) -> str:
     return "\n".join(lines)
 
 
-def report(load: Load, kills: list[Kill], recovery_s: float, **extra: Any) -> dict[str, Any]:
+def report(load: Load, kills: list[Kill], recovery: Recovery, **extra: Any) -> dict[str, Any]:
     """The counts a run is judged and recorded by."""
     errors = {k: v for k, v in load.counts().items() if k not in (OK, REFUSED)}
     first = {}
@@ -327,6 +347,7 @@ def report(load: Load, kills: list[Kill], recovery_s: float, **extra: Any) -> di
         "clients": load.clients, "load_seconds": load.seconds, "max_requests": load.max_requests,
         "request_deadline_s": DEADLINE_S, "client_timeout_s": CLIENT_TIMEOUT_S,
         "longest_request_s": round(max((o.seconds for o in load.outcomes), default=0.0), 1),
-        "kills": [vars(k) for k in kills], "seconds_from_last_kill_to_recovered": round(recovery_s, 1),
+        "kills": [vars(k) for k in kills], "seconds_from_last_kill_to_recovered": round(recovery.seconds, 1),
+        "first_check_s": recovery.first_check_s, "parts_back_s": recovery.back_s,
         **extra,
     }

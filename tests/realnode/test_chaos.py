@@ -102,8 +102,8 @@ def test_random_pods_deleted_every_10s_under_load(pipe: Pipeline, cluster, kube)
     killer = chaos.Killer(cluster, kube, pipe.ns, NAME, STAGES, SEED, period=10, duration=120)
     killer.run(load.t0)
     load.join()
-    recovery_s = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
-    record("pods", chaos.report(load, killer.kills, recovery_s, seed=SEED, restarts=restarts(pipe)))
+    recovery = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
+    record("pods", chaos.report(load, killer.kills, recovery, seed=SEED, restarts=restarts(pipe)))
 
     assert len(killer.kills) == 12, killer.kills
     assert_every_outcome_allowed(load)
@@ -128,9 +128,9 @@ def test_random_pods_deleted_during_a_rollout_of_both_stages(pipe: Pipeline, clu
     killer = chaos.Killer(cluster, kube, pipe.ns, NAME, STAGES, SEED + 1, period=10, duration=60)
     killer.run(load.t0)
     load.join()
-    recovery_s = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
+    recovery = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
     chaos.wait_ready(kube, pipe.ns, NAME, RECOVER_TIMEOUT_S, generation=generation)
-    record("rollout", chaos.report(load, killer.kills, recovery_s, seed=SEED + 1, restarts=restarts(pipe)))
+    record("rollout", chaos.report(load, killer.kills, recovery, seed=SEED + 1, restarts=restarts(pipe)))
 
     assert_every_outcome_allowed(load)
     assert load.counts().get(chaos.OK, 0) >= 1
@@ -202,8 +202,8 @@ def test_a_node_process_stopped_for_30s_comes_back_and_so_does_the_pipeline(pipe
     print(f"started {component} again after {started - stopped:.0f}s", flush=True)
     load.join()
     node.wait_node_ready(cluster)
-    recovery_s = chaos.wait_recovered(kube, pipe.ns, NAME, address, started, RECOVER_TIMEOUT_S)
-    record(component, chaos.report(load, [], recovery_s, outage_s=round(started - stopped, 1),
+    recovery = chaos.wait_recovered(kube, pipe.ns, NAME, address, started, RECOVER_TIMEOUT_S)
+    record(component, chaos.report(load, [], recovery, outage_s=round(started - stopped, 1),
                                    restarts_before=before, restarts_after=restarts(pipe)))
 
     assert_every_outcome_allowed(load)
