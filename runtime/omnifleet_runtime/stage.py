@@ -18,7 +18,9 @@ ports (bulk bytes through shared memory when they share this pod), and to
 the master when the stage produces final output.
 
 On SIGTERM the worker stops taking work (the master stops routing to it),
-finishes what is in flight up to a deadline, deregisters and exits 0.
+finishes what is in flight up to a deadline, deregisters and exits 0. A SIGTERM
+while its engine is still starting stops the start at once (its processes
+killed) and exits 0: a pod deleted mid-load does not finish the load first.
 """
 
 from __future__ import annotations
@@ -94,16 +96,28 @@ def start_watchdog(stage: str, timeout_s: float) -> threading.Event:
             return
         log.error("stage %s failed to start: its engine did not start within %gs "
                   "(engineStartTimeoutSeconds); stopping it", stage, timeout_s)
-        for pid in descendants(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        logging.shutdown()
-        os._exit(C.EXIT_ENGINE_START_TIMEOUT)
+        abandon_start(C.EXIT_ENGINE_START_TIMEOUT)
 
     threading.Thread(target=watch, name="engine-start-watchdog", daemon=True).start()
     return started
+
+
+def abandon_start(code: int) -> None:
+    """Kill what the engine's start has started (its own processes) and exit with code, at once."""
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def sigterm_while_starting(signum: int, frame: Any) -> None:
+    # Nothing is registered or in flight yet, and a load may take minutes that a pod being deleted would
+    # spend (CPU, GPU memory) on an engine nobody will use: stop now, not after the load and the drain.
+    log.info("SIGTERM while the engine starts: stopping (nothing to drain)")
+    abandon_start(0)
 
 
 def ipc_nbytes(value: Any) -> int:
@@ -262,7 +276,7 @@ class StageWorker:
         on_engine_died(): called once its engine can serve no more."""
         self.on_registered, self.on_engine_died = on_registered, on_engine_died
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.stopping.set)
+        signal.signal(signal.SIGTERM, sigterm_while_starting)  # the drain's handler once the engine runs
         timeout = self.stage.engine_start_timeout_seconds or C.ENGINE_START_TIMEOUT_S
         started = start_watchdog(self.stage.name, timeout)  # engines load synchronously: a thread keeps time
         try:
@@ -274,6 +288,7 @@ class StageWorker:
             return 1
         finally:
             started.set()
+        loop.add_signal_handler(signal.SIGTERM, self.stopping.set)  # from here on, SIGTERM drains
         if (make := self.engine.host_buffers()) is not None:
             self.assembler.pool.make = make
         if self.engine.max_concurrency:

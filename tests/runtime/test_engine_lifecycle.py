@@ -8,6 +8,7 @@ through `omnifleet_dead()`.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 from fleet_harness import pipeline, stage, wait_until
@@ -37,6 +38,25 @@ def test_engine_that_does_not_start_in_time_is_stopped_and_the_stage_exits(make_
     assert pod.popen.returncode == 4, pod.output()
     assert "stage slow failed to start: its engine did not start within 2s (engineStartTimeoutSeconds)" \
         in pod.output()
+    wait_until(lambda: not pid_alive(helper_pid), "the engine's helper process to be killed", timeout=10)
+
+
+def test_a_pod_stopped_while_its_engine_loads_stops_at_once(make_fleet, tmp_path):
+    """SIGTERM (a pod deleted) during a load that would take 120 s: the pod exits 0 without finishing it,
+    and the engine's own process goes with it."""
+    doc = pipeline(stage("slow", "answer", finalOutput="text"))
+    doc["spec"]["stages"][0]["entrypoint"] = "lifecyclefns:answer"
+    fleet = make_fleet(doc)
+    fleet.env["LIFECYCLE_HANG_ON_LOAD"] = "1"
+    fleet.start_master()
+    pod = fleet.start_pod("pod-slow", "slow")
+    pid_file = tmp_path / "helper-pod-slow.pid"
+    wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the load to start its helper process")
+    helper_pid = int(pid_file.read_text())
+    os.kill(pod.pid, signal.SIGTERM)  # as the kubelet stops a pod: its main process
+    wait_until(lambda: not pod.alive(), "the stage pod to stop", timeout=60)  # the load alone takes 120 s
+    assert pod.popen.returncode == 0, pod.output()
+    assert "SIGTERM while the engine starts: stopping (nothing to drain)" in pod.output()
     wait_until(lambda: not pid_alive(helper_pid), "the engine's helper process to be killed", timeout=10)
 
 
