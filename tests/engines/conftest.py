@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,27 @@ def tiny_omni_path(python: str = sys.executable) -> str:
                           capture_output=True, text=True, timeout=600, env=engine_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
+
+
+def run_in_group(cmd: list[str], cwd: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A process in a process group of its own (the engine processes it starts would outlive it: `end` kills
+    the whole group), its output in log."""
+    with open(log, "wb") as logf:
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+
+
+def end(proc: subprocess.Popen, timeout: float | None) -> None:
+    """Wait up to timeout (None: not at all) for proc, then kill what is left of its group."""
+    try:
+        if timeout is not None:
+            proc.wait(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def media() -> tuple[list, dict]:

@@ -18,9 +18,6 @@ the sharper checks of the media's path.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +27,7 @@ import pytest
 from fleet_harness import Fleet, pipeline  # noqa: E402
 
 from ..conftest import mp4, time_limit  # noqa: E402
-from .conftest import HEARTBEAT, HERE, engine_env, media, report, tiny_omni_path  # noqa: E402
+from .conftest import HEARTBEAT, HERE, end, engine_env, media, report, run_in_group, tiny_omni_path  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 TEST_TIMEOUT_S = 900
@@ -73,33 +70,21 @@ def tiny_omni() -> str:
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_omni, tmp_path_factory, request) -> dict:
+def oracle_run(tiny_omni, tmp_path_factory):
+    """vLLM's own LLM.chat on the requests, started beside the fleet (not waited for: the oracle fixture waits)."""
     tmp = tmp_path_factory.mktemp("llm-media-oracle")
     (tmp / "request.json").write_text(json.dumps({"engine": ENGINE, "requests": [media()[0], video_message(),
                                                                                transcription_message()],
                                                   "sampling_params": SAMPLING}))
-    t = time.monotonic()
-    with open(tmp / "oracle.log", "wb") as logf:
-        proc = subprocess.Popen([sys.executable, str(HERE / "llm_media_oracle.py"), tiny_omni,
-                                 str(tmp / "request.json"), str(tmp / "out.json")],
-                                stdout=logf, stderr=subprocess.STDOUT, env=engine_env(), cwd=tmp, start_new_session=True)
-        try:
-            proc.wait(timeout=600)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the engine's processes go with it
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    assert proc.returncode == 0 and (tmp / "out.json").exists(), \
-        (tmp / "oracle.log").read_text(errors="replace")[-6000:]
-    report(request.config, "llm-media", f"oracle (vLLM's LLM.chat): {time.monotonic() - t:.1f}s")
-    image_audio, video, transcription = json.loads((tmp / "out.json").read_text())
-    return {**image_audio, "video": video, "transcription": transcription}
+    proc = run_in_group([sys.executable, str(HERE / "llm_media_oracle.py"), tiny_omni, str(tmp / "request.json"),
+                         str(tmp / "out.json")], tmp, tmp / "oracle.log", engine_env())
+    yield proc, tmp, time.monotonic()
+    end(proc, None)
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_omni, oracle, tmp_path_factory):
+def fleet_run(tiny_omni, tmp_path_factory):
+    """The fleet's master and thinker pod, started beside the oracle (the fleet fixture waits)."""
     d = pipeline({"name": "thinker", "type": "llm", "gpus": 0, "model": tiny_omni, "engineArgs": ENGINE,
                   "samplingParams": SAMPLING, "finalOutput": "text"}, name="omni-thinker")
     d["spec"]["heartbeat"] = HEARTBEAT
@@ -108,13 +93,37 @@ def fleet(tiny_omni, oracle, tmp_path_factory):
     try:
         f.start_master()
         f.start_pod("thinker-0", "thinker")
-        f.wait_ready(timeout=600)
         yield f
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def launched(oracle_run, fleet_run):
+    """The oracle and the fleet, both starting."""
+    return oracle_run, fleet_run
+
+
+@pytest.fixture(scope="module")
+def oracle(launched, request) -> dict:
+    (proc, tmp, t), _ = launched
+    end(proc, 900)  # the engine's processes go with its group
+    assert proc.returncode == 0 and (tmp / "out.json").exists(), \
+        (tmp / "oracle.log").read_text(errors="replace")[-6000:]
+    report(request.config, "llm-media", f"oracle (vLLM's LLM.chat, beside the fleet): {time.monotonic() - t:.1f}s")
+    image_audio, video, transcription = json.loads((tmp / "out.json").read_text())
+    return {**image_audio, "video": video, "transcription": transcription}
+
+
+@pytest.fixture(scope="module")
+def fleet(launched):
+    _, f = launched
+    try:
+        f.wait_ready(timeout=900)
     except BaseException:
         print(f.logs()[-20000:])
         raise
-    finally:
-        f.stop()
+    return f
 
 
 def test_image_and_audio_reach_the_thinker_as_vllm_takes_them(fleet, oracle, request):

@@ -10,9 +10,11 @@ omnifleet the first request must give the oracle's thinker tokens and its audio
 put its hidden states on the wire, equal to those the oracle's thinker output
 carries: they are what the talker is made of.
 
-Start-up dominates (minutes per engine on two cores, and vLLM-Omni starts
-engines that share a device one at a time): one fleet and one oracle run for
-the module.
+Start-up dominates (minutes per engine on two cores: each engine imports vLLM in three
+processes one after another), so the oracle, the fleet and the thinker probe start at once and
+share the cores, and one fleet and one oracle serve the module. vLLM-Omni serializes engine starts
+per device through a lock file in /tmp; in Kubernetes each pod has its own /tmp, so here each pod
+and the probe get a lock file of their own too (`own_device_lock`), and the oracle keeps the host's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import time
 from array import array
@@ -34,13 +35,13 @@ from fleet_harness import Fleet, pipeline  # noqa: E402
 from omnifleet_runtime.devsetup import vllm_omni_env  # noqa: E402
 
 from ..conftest import time_limit  # noqa: E402
-from .conftest import HEARTBEAT, HERE, media, report  # noqa: E402
+from .conftest import HEARTBEAT, HERE, end, media, report, run_in_group  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
-# The module fixtures (environment, model, oracle, fleet) run inside the first test. vLLM-Omni serializes
-# engine initialisation per device through a lock file in /tmp, and every stage here is on "device 0":
-# the three stage engines start one after another.
+# The first test waits for the oracle and the probe, which start beside the fleet on two cores.
 TEST_TIMEOUT_S = 2400
+START_TIMEOUT_S = 1800  # the oracle's and the probe's whole run, engine starts included, beside the rest
+DEVICE_LOCK = "/tmp/vllm_omni_device_0_init.lock"  # vLLM-Omni's engine start lock of device 0 (all stages here)
 
 PROC = "vllm_omni.model_executor.stage_input_processors.qwen2_5_omni"
 ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 2048, "max_num_seqs": 1,
@@ -90,8 +91,23 @@ def _env() -> dict[str, str]:
             "HF_HUB_OFFLINE": "1"}
 
 
+def own_device_lock(omni_python: str, where: Path) -> str:
+    """An interpreter that runs vLLM-Omni's python with a device lock file of its own, as a pod's own /tmp
+    gives it in Kubernetes: a mount namespace binds a file of `where` over the lock's path."""
+    Path(DEVICE_LOCK).touch()  # the bind's target
+    where.mkdir(parents=True, exist_ok=True)
+    lock, script = where / "device.lock", where / "python"
+    lock.touch()
+    script.write_text("#!/bin/sh\n"
+                      f"exec unshare --mount --propagation private sh -c 'mount --bind \"$0\" {DEVICE_LOCK} && "
+                      f"exec \"$@\"' {lock} {omni_python} \"$@\"\n")
+    script.chmod(0o755)
+    return str(script)
+
+
 @pytest.fixture(scope="module")
-def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
+def oracle_run(omni_python, tiny_omni, tmp_path_factory):
+    """vLLM-Omni's own engine on the requests, started (not waited for): the oracle fixture waits."""
     tmp = tmp_path_factory.mktemp("oracle")
     deploy = {"async_chunk": False,
               "stages": [{"stage_id": s["stageId"], "devices": "0", **s["engine"], "default_sampling_params": s["sampling"]}
@@ -100,29 +116,30 @@ def oracle(omni_python, tiny_omni, tmp_path_factory, request) -> dict:
     # In the fleet's order: its first request is the text one, its second the one with media.
     (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, media()[1]],
                                                   "sampling_params": [s["sampling"] for s in STAGES]}))
-    t = time.monotonic()
-    with open(tmp / "oracle.log", "wb") as logf:
-        # Its own process group: the oracle ends with os._exit, and the stage engine processes vLLM-Omni
-        # spawned would outlive it; the whole group goes when it is done.
-        proc = subprocess.Popen([omni_python, str(HERE / "vllm_omni_oracle.py"), tiny_omni, str(tmp / "deploy.yaml"),
-                                 str(tmp / "request.json"), str(tmp)], stdout=logf, stderr=subprocess.STDOUT,
-                                env=_env(), cwd=tmp, start_new_session=True)
-        try:
-            proc.wait(timeout=900)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    proc = run_in_group([omni_python, str(HERE / "vllm_omni_oracle.py"), tiny_omni, str(tmp / "deploy.yaml"),
+                         str(tmp / "request.json"), str(tmp)], tmp, tmp / "oracle.log", _env())
+    yield proc, tmp, time.monotonic()
+    end(proc, None)
+
+
+@pytest.fixture(scope="module")
+def launched(oracle_run, fleet_run):
+    """The oracle and the fleet, both starting."""
+    return oracle_run, fleet_run
+
+
+@pytest.fixture(scope="module")
+def oracle(launched, request) -> dict:
+    (proc, tmp, t), _ = launched
+    end(proc, START_TIMEOUT_S)  # the oracle ends with os._exit; the group's engine processes go with it
     log = (tmp / "oracle.log").read_text(errors="replace")
     assert proc.returncode == 0 and (tmp / "result.json").exists(), log[-6000:]
     result = json.loads((tmp / "result.json").read_text())
     for i, one in enumerate(result["requests"]):
         one["audio"] = array("f", (tmp / f"audio.{i}.f32").read_bytes())
         one["thinker_hidden"] = array("f", (tmp / f"thinker_hidden.{i}.f32").read_bytes())
-    report(request.config, "vllm-omni", f"oracle (vLLM-Omni's Omni, 3 stages in one process): engine start "
-           f"{result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
+    report(request.config, "vllm-omni", f"oracle (vLLM-Omni's Omni, 3 stages in one process, beside the fleet): "
+           f"engine start {result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
     return result["requests"]
 
 
@@ -148,23 +165,33 @@ def doc(model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet(omni_python, tiny_omni, oracle, tmp_path_factory, request):
-    f = Fleet(tmp_path_factory.mktemp("omni-fleet"), doc(tiny_omni))
+def fleet_run(omni_python, tiny_omni, tmp_path_factory):
+    """The fleet's master and stage pods, started (not waited for): the fleet fixture waits."""
+    tmp = tmp_path_factory.mktemp("omni-fleet")
+    f = Fleet(tmp, doc(tiny_omni))
     f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     t = time.monotonic()
     try:
         f.start_master()
         for s in STAGES:
-            f.start_pod(f"{s['name']}-0", s["name"], python=omni_python)
+            f.start_pod(f"{s['name']}-0", s["name"], python=own_device_lock(omni_python, tmp / s["name"]))
+        yield f, t
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(launched, request):
+    _, (f, t) = launched
+    try:
         f.wait_ready(timeout=2000)
-        report(request.config, "vllm-omni", f"fleet of {len(STAGES)} vLLM-Omni stage engines (one pod each) ready "
-               f"in {time.monotonic() - t:.1f}s (started side by side on {len(os.sched_getaffinity(0))} cores)")
-        yield f
     except BaseException:
         print(f.logs()[-30000:])
         raise
-    finally:
-        f.stop()
+    report(request.config, "vllm-omni", f"fleet of {len(STAGES)} vLLM-Omni stage engines (one pod each) ready "
+           f"within {time.monotonic() - t:.1f}s of its start (checked once the oracle was done; started beside "
+           f"it and the probe on {len(os.sched_getaffinity(0))} cores)")
+    return f
 
 
 def chat(fleet: Fleet) -> dict:
@@ -180,25 +207,19 @@ def pcm16(samples) -> array:
     return array("h", (int(max(-1.0, min(1.0, x)) * 32767.0) for x in samples))
 
 
-def test_thinker_stage_puts_its_hidden_states_on_the_wire(omni_python, tiny_omni, oracle, tmp_path, request):
+def test_thinker_stage_puts_its_hidden_states_on_the_wire(omni_python, tiny_omni, launched, tmp_path, request):
     """What the talker is made of: the thinker stage's output carries its hidden states as a wire array, for a
     text prompt and for one with an image and audio (which the stage hands its engine as multimodal data)."""
     (tmp_path / "pipeline.json").write_text(json.dumps(doc(tiny_omni)))
     (tmp_path / "request.json").write_text(json.dumps({"prompts": [MESSAGES, media()[1]]}))
     t = time.monotonic()
-    with open(tmp_path / "probe.log", "wb") as logf:
-        proc = subprocess.Popen([omni_python, str(HERE / "vllm_omni_stage_probe.py"), str(tmp_path / "pipeline.json"),
-                                 "thinker", str(tmp_path / "request.json"), str(tmp_path)],
-                                stdout=logf, stderr=subprocess.STDOUT, env=_env(), cwd=tmp_path,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=900)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    proc = run_in_group([own_device_lock(omni_python, tmp_path), str(HERE / "vllm_omni_stage_probe.py"),
+                         str(tmp_path / "pipeline.json"), "thinker", str(tmp_path / "request.json"), str(tmp_path)],
+                        tmp_path, tmp_path / "probe.log", _env())
+    try:
+        oracle = request.getfixturevalue("oracle")  # it runs meanwhile
+    finally:
+        end(proc, START_TIMEOUT_S)
     log = (tmp_path / "probe.log").read_text(errors="replace")
     assert proc.returncode == 0 and (tmp_path / "chunk.1.json").exists(), log[-6000:]
     for i, want in enumerate(oracle):
