@@ -78,7 +78,11 @@ GOALS: tuple[Goal, ...] = (
          "(about a quarter), the runtime's per-message code (a third) and logging, JSON and other library calls "
          "(the rest): no one part is large enough that removing it meets the goal. Since the runtime drives its "
          "sockets itself (zsock, 2496c68) the ratio has moved with the machine more than with the code: 4.2-6.9x "
-         "in the runs since 29b69c4 (the reports' history in git)"),
+         "in the runs since 29b69c4 (the reports' history in git), all on an AMD EPYC. At bbf9981 on an Intel Xeon "
+         "(2 cores): 9.59x, a hop of 693 us and 1020 us of runtime CPU against a raw round trip of 72 us; the "
+         "latency part alone, run twice each for the runtime before and after 0c2a771 (a SIGTERM during an "
+         "engine's start; cf4a8b7 and bbf9981), read 12.98x and 12.95x before, 11.79x and 10.83x "
+         "after (bench/results/2026-12-06-data-plane-ab): the machine, not the code"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -87,7 +91,8 @@ GOALS: tuple[Goal, ...] = (
          "an unencrypted stage on two cores sends a buffer whole over one connection, so the receiver makes no "
          "reassembly copy; what is left is ZMQ's path against one raw stream (the raw one-frame ZMQ link itself read "
          "1.25-2.60 GB/s against raw TCP's 3.30-4.00 at 57b1033), and the runs of one code differ by as much as the "
-         "miss (0.71-0.93x at 6bfa976); the producer's own 4 MiB frames read 0.82-1.02x at 7b5294b"),
+         "miss (0.71-0.93x at 6bfa976); the producer's own 4 MiB frames read 0.82-1.02x at 7b5294b. At bbf9981 on "
+         "an Intel Xeon: 0.68x at 16 MiB, 1.02x and 1.13x at 64 and 256 MiB (4 MiB frames 0.78x at 16 MiB)"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -100,7 +105,8 @@ GOALS: tuple[Goal, ...] = (
          "requests not held at 7b5294b, and 256 MiB over them read 1.23x, within the goal. Probed, not benchmarked "
          "(strace and perf stat of a master whose one stage sleeps 100 ms, against one that answers at once): the "
          "same system calls, context switches and page faults per request; only its CPU time per request grows, as a "
-         "process's does when it runs after a wait of 50 ms or more (its caches, and the core it ran on, gone cold)"),
+         "process's does when it runs after a wait of 50 ms or more (its caches, and the core it ran on, gone cold). "
+         "1.51x at bbf9981 on an Intel Xeon"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -180,7 +186,8 @@ GOALS: tuple[Goal, ...] = (
          why_missed="the pipeline's own path (HTTP in, the master's dispatch, the thinker's first chunk to the "
          "vocoder, the vocoder function's hand-off to a worker thread, its audio to the master, PCM out: three "
          "message hops at the runtime's per-hop cost, the data-plane goal above) is paid on top of the engine's first "
-         "token: at 7b5294b first audio in 6.88 ms, the engine's first token in 3.88 ms (rounds 1.45-1.94x). The runs "
+         "token: at 7b5294b first audio in 6.88 ms, the engine's first token in 3.88 ms (rounds 1.45-1.94x); at "
+         "bbf9981 on an Intel Xeon 9.84 ms and 5.97 ms (rounds 1.26-2.03x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
