@@ -55,6 +55,13 @@ def end(proc: subprocess.Popen, timeout: float | None) -> None:
         proc.wait()
 
 
+@pytest.fixture(scope="module")
+def launched(oracle_run, fleet_run):
+    """A module's oracle and fleet, both started before either is waited for (the module defines both):
+    engine starts dominate, and two side by side share the two cores."""
+    return oracle_run, fleet_run
+
+
 def media() -> tuple[list, dict]:
     """A question with an image and a second of audio: the OpenAI content parts a client sends (PNG, WAV) and
     the same parts as the master decodes them (RGB pixels, float32 samples; raw bytes as base64 in `data`),

@@ -99,12 +99,6 @@ def fleet_run(tiny_omni, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched(oracle_run, fleet_run):
-    """The oracle and the fleet, both starting."""
-    return oracle_run, fleet_run
-
-
-@pytest.fixture(scope="module")
 def oracle(launched, request) -> dict:
     (proc, tmp, t), _ = launched
     end(proc, 900)  # the engine's processes go with its group

@@ -123,12 +123,6 @@ def oracle_run(omni_python, tiny_omni, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def launched(oracle_run, fleet_run):
-    """The oracle and the fleet, both starting."""
-    return oracle_run, fleet_run
-
-
-@pytest.fixture(scope="module")
 def oracle(launched, request) -> dict:
     (proc, tmp, t), _ = launched
     end(proc, START_TIMEOUT_S)  # the oracle ends with os._exit; the group's engine processes go with it

@@ -24,8 +24,10 @@ def pid_alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_engine_that_does_not_start_in_time_is_stopped_and_the_stage_exits(make_fleet, tmp_path):
-    doc = pipeline(stage("slow", "answer", finalOutput="text", engineStartTimeoutSeconds=2))
+def start_loading(make_fleet, tmp_path, **fields):
+    """A stage pod whose engine load takes 120 s, once the load has started its helper process: (the pod,
+    the helper's pid)."""
+    doc = pipeline(stage("slow", "answer", finalOutput="text", **fields))
     doc["spec"]["stages"][0]["entrypoint"] = "lifecyclefns:answer"
     fleet = make_fleet(doc)
     fleet.env["LIFECYCLE_HANG_ON_LOAD"] = "1"
@@ -33,7 +35,11 @@ def test_engine_that_does_not_start_in_time_is_stopped_and_the_stage_exits(make_
     pod = fleet.start_pod("pod-slow", "slow")
     pid_file = tmp_path / "helper-pod-slow.pid"
     wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the load to start its helper process")
-    helper_pid = int(pid_file.read_text())
+    return pod, int(pid_file.read_text())
+
+
+def test_engine_that_does_not_start_in_time_is_stopped_and_the_stage_exits(make_fleet, tmp_path):
+    pod, helper_pid = start_loading(make_fleet, tmp_path, engineStartTimeoutSeconds=2)
     wait_until(lambda: not pod.alive(), "the stage pod to give up", timeout=60)
     assert pod.popen.returncode == 4, pod.output()
     assert "stage slow failed to start: its engine did not start within 2s (engineStartTimeoutSeconds)" \
@@ -44,15 +50,7 @@ def test_engine_that_does_not_start_in_time_is_stopped_and_the_stage_exits(make_
 def test_a_pod_stopped_while_its_engine_loads_stops_at_once(make_fleet, tmp_path):
     """SIGTERM (a pod deleted) during a load that would take 120 s: the pod exits 0 without finishing it,
     and the engine's own process goes with it."""
-    doc = pipeline(stage("slow", "answer", finalOutput="text"))
-    doc["spec"]["stages"][0]["entrypoint"] = "lifecyclefns:answer"
-    fleet = make_fleet(doc)
-    fleet.env["LIFECYCLE_HANG_ON_LOAD"] = "1"
-    fleet.start_master()
-    pod = fleet.start_pod("pod-slow", "slow")
-    pid_file = tmp_path / "helper-pod-slow.pid"
-    wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the load to start its helper process")
-    helper_pid = int(pid_file.read_text())
+    pod, helper_pid = start_loading(make_fleet, tmp_path)
     os.kill(pod.pid, signal.SIGTERM)  # as the kubelet stops a pod: its main process
     wait_until(lambda: not pod.alive(), "the stage pod to stop", timeout=60)  # the load alone takes 120 s
     assert pod.popen.returncode == 0, pod.output()

@@ -79,5 +79,7 @@ def test_the_load_stops_at_its_count_and_every_request_sent_has_one_outcome(serv
     assert load.wait_first_ok(10)
     load.join()
     assert load.sent == len(load.outcomes) == 20 and load.counts() == {chaos.OK: 20}
-    report = chaos.report(load, [], 1.0)
+    report = chaos.report(load, [], chaos.Recovery(12.5, 3.0, {"master /ready": 12.5}))
     assert report["sent"] == report["succeeded"] == 20 and report["errors"] == {}
+    assert report["seconds_from_last_kill_to_recovered"] == 12.5
+    assert report["first_check_s"] == 3.0 and report["parts_back_s"] == {"master /ready": 12.5}
