@@ -11,9 +11,10 @@ that is a stock-vLLM `llm` stage (no vLLM-Omni).
 The talker is fed as transformers' `Qwen2_5OmniForConditionalGeneration.generate` feeds it, from the
 thinker's prompt and generated ids and its hidden states: its prompt rows are hidden + token embedding,
 then the speaker's text token and the first generated token; each decode step adds the next generated
-token's row, then the text end and pad embeddings. Each factory reads only its own weights (and the
-talker the thinker's token embeddings) from the checkpoint's safetensors, and the speakers from its
-`spk_dict.pt` (read as tensors only, `weights_only`).
+token's row, then the text end and pad embeddings. The talker batches (`forward_batch`, which the torch
+engine calls with concurrent requests when the stage's max_concurrency is above 1). Each factory reads only
+its own weights (and the talker the thinker's token embeddings) from the checkpoint's safetensors, and the
+speakers from its `spk_dict.pt` (read as tensors only, `weights_only`).
 
 A prompt with image, audio or video: the prompt rows at the media's placeholders are the hidden states
 alone (their embeddings zeroed), and the talker runs on plain sequence positions, as transformers' generate
@@ -104,6 +105,35 @@ class Talker(torch.nn.Module):
 
     def forward(self, prompt_token_ids: list[int], token_ids: list[int], hidden: torch.Tensor,
                 speaker: str | None = None) -> dict[str, Any]:
+        [out] = self.forward_batch([{"prompt_token_ids": prompt_token_ids, "token_ids": token_ids, "hidden": hidden,
+                                     "speaker": speaker}])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def forward_batch(self, items: list[dict[str, Any]]) -> list[Any]:
+        """Several requests' inputs (forward's arguments each) in one generate; an input it cannot take is a
+        BadInput in its place. Greedy, each request gets the codes it gets alone: prompts are left-padded
+        and masked (transformers' talker discounts the pads in its positions), each reply part is padded at
+        its end with its own last row (the text pad embedding, which a talker past its reply part keeps
+        adding), and the codec ids under the pads are the mask token every row already holds, so the
+        repetition penalty sees the same set of ids."""
+        out: list[Any] = [None] * len(items)
+        rows = []
+        for i, item in enumerate(items):
+            try:
+                rows.append((i, self._rows(**item)))
+            except BadInput as e:
+                out[i] = e
+            except (TypeError, AttributeError, ValueError) as e:  # not the arguments forward takes
+                out[i] = BadInput(f"talker: {e}")
+        if rows:
+            for (i, r), codes in zip(rows, self._generate([r for _, r in rows])):
+                out[i] = {"codes": codes, "speaker": r["speaker"]}
+        return out
+
+    def _rows(self, prompt_token_ids: list[int], token_ids: list[int], hidden: torch.Tensor,
+              speaker: str | None = None) -> dict[str, Any]:
         speaker = _speaker(self.speakers, speaker or self.speaker, "talker")
         p, n = len(prompt_token_ids), len(token_ids)
         if n < 1 or tuple(hidden.shape[:1]) != (p + n - 1,):
@@ -116,19 +146,44 @@ class Talker(torch.nn.Module):
         rows = hidden.to(emb.dtype) + emb
         bos = int(self.speakers[speaker]["bos_token"])
         one = lambda t: self.embed(torch.tensor([t], device=dev))  # noqa: E731
-        inputs_embeds = torch.cat([rows[:p], one(bos), rows[p:p + 1]])[None]
-        reply = torch.cat([rows[p + 1:], one(tk.text_eos_token), one(tk.text_pad_token)])[None]
-        talker_ids = torch.tensor([[tk.codec_mask_token] * p + [tk.codec_pad_token, tk.codec_bos_token]], device=dev)
-        text_ids = torch.cat([ids[:p], ids.new_tensor([bos]), ids[p:p + 1]])[None]
-        mask = torch.ones(1, p + 2, dtype=torch.long, device=dev)
         # A prompt with media takes nothing more: transformers' generate runs its talker on plain sequence
         # positions (no grids or audio lengths reach it), as vLLM-Omni's pipeline does (its talker gets no media).
+        # The reply part's first row ends the prompt: with one generated token (no reply rows) that is the
+        # text end's embedding, as in transformers' generate.
+        reply = torch.cat([rows[p:], one(tk.text_eos_token), one(tk.text_pad_token)])
+        return {"embeds": torch.cat([rows[:p], one(bos), reply[:1]]), "reply": reply[1:],
+                "text_ids": torch.cat([ids[:p], ids.new_tensor([bos]), ids[p:p + 1]]), "speaker": speaker}
+
+    def _generate(self, rows: list[dict[str, Any]]) -> list[torch.Tensor]:
+        tk, b = self.talker, len(rows)
+        first = rows[0]["embeds"]
+        width, reply_len = max(len(r["embeds"]) for r in rows), max(len(r["reply"]) for r in rows)
+        embeds = first.new_zeros(b, width, first.shape[1])
+        reply = first.new_zeros(b, reply_len, rows[0]["reply"].shape[1])
+        talker_ids = torch.full((b, width), tk.codec_mask_token, dtype=torch.long, device=first.device)
+        talker_ids[:, -2:] = torch.tensor([tk.codec_pad_token, tk.codec_bos_token], device=first.device)
+        text_ids = torch.zeros(b, width, dtype=torch.long, device=first.device)
+        mask = torch.zeros(b, width, dtype=torch.long, device=first.device)
+        for i, r in enumerate(rows):
+            k, m = len(r["embeds"]), len(r["reply"])
+            embeds[i, width - k:], text_ids[i, width - k:], mask[i, width - k:] = r["embeds"], r["text_ids"], 1
+            reply[i, :m], reply[i, m:] = r["reply"], r["reply"][-1]
+        if not bool(mask.all()):
+            # transformers' generate drops an all-ones mask, and with it the talker's own additions of the codec
+            # pad and start embeddings to the prompt's last two rows (which it makes only under a mask): what a
+            # request alone gets. A padded batch keeps its mask, so those additions are taken off beforehand.
+            codec = tk.get_input_embeddings()(torch.tensor([tk.codec_pad_token, tk.codec_bos_token],
+                                                           device=first.device))
+            embeds[:, -2:] -= codec.to(embeds.dtype)
         out = tk.generate(input_ids=talker_ids, input_text_ids=text_ids, thinker_reply_part=reply,
-                          inputs_embeds=inputs_embeds, attention_mask=mask, suppress_tokens=[tk.codec_bos_token],
-                          **self.generation)
-        codes = out[0, p + 2:]
-        stop = torch.isin(codes, torch.tensor(self.generation["eos_token_id"], device=dev)).nonzero()
-        return {"codes": codes[: int(stop[0]) if len(stop) else len(codes)], "speaker": speaker}
+                          inputs_embeds=embeds, attention_mask=mask, suppress_tokens=[tk.codec_bos_token],
+                          pad_token_id=self.generation["eos_token_id"][0], **self.generation)
+        eos = torch.tensor(self.generation["eos_token_id"], device=out.device)
+        codes = []
+        for row in out[:, width:]:
+            stop = torch.isin(row, eos).nonzero()
+            codes.append(row[: int(stop[0]) if len(stop) else len(row)])
+        return codes
 
 
 class Code2Wav(torch.nn.Module):

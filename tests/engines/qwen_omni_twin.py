@@ -43,9 +43,9 @@ def twin(model: str, heartbeat: dict[str, float]) -> dict[str, Any]:
                                  limit_mm_per_prompt={"image": 1, "audio": 1, "video": 0})
     thinker["engineArgs"].pop("gpu_memory_utilization")
     thinker["samplingParams"]["max_tokens"] = THINKER_TOKENS
-    talker["engineArgs"] = {"device": "cpu", "factory_kwargs": {
-        **talker["engineArgs"]["factory_kwargs"], "dtype": "float32", "do_sample": False,
-        "max_new_tokens": TALKER_TOKENS}}
+    talker["engineArgs"] = {"device": "cpu", "max_concurrency": talker["engineArgs"]["max_concurrency"],
+                            "factory_kwargs": {**talker["engineArgs"]["factory_kwargs"], "dtype": "float32",
+                                               "do_sample": False, "max_new_tokens": TALKER_TOKENS}}
     code2wav["engineArgs"] = {"device": "cpu", "factory_kwargs": {**code2wav["engineArgs"]["factory_kwargs"],
                                                                   "seed": SEED}}
     return d

@@ -159,6 +159,44 @@ def test_the_voice_of_a_chat_request_picks_the_speaker(fleet):
     assert "unknown voice 'alloy' (this model speaks as Chelsie, Ethan)" in json.dumps(refused), refused
 
 
+def test_the_talker_batched_gives_each_request_the_codes_it_gets_alone(tiny_omni, request):
+    """The talker stage's forward_batch (what the torch engine calls with the requests that arrive together):
+    greedy, with the sample's repetition penalty, four requests of different prompt and reply lengths (one
+    with a single thinker token, one with an image placeholder in its prompt, one in another voice) get in
+    one batch the codes each gets alone; an input the talker cannot take is a BadInput in its place."""
+    import torch
+
+    from omnifleet_runtime.engines.base import BadInput
+    from omnifleet_runtime.qwen2_5_omni import Talker
+
+    talker = Talker(tiny_omni, dtype="float32", do_sample=False, max_new_tokens=24)
+    width = talker.embed.weight.shape[1]
+    g = torch.Generator().manual_seed(7)
+
+    def item(p: int, n: int, **kw) -> dict:
+        prompt = torch.randint(100, 1000, (p,), generator=g).tolist()
+        return {"prompt_token_ids": prompt, "token_ids": torch.randint(100, 1000, (n,), generator=g).tolist(),
+                "hidden": torch.randn(p + n - 1, width, generator=g), **kw}
+
+    items = [item(7, 3), item(12, 9, speaker="ethan"), item(4, 1), item(9, 15)]
+    items[3]["prompt_token_ids"][2] = min(talker.media_ids)
+    with torch.inference_mode():
+        t = time.monotonic()
+        alone = [talker(**x) for x in items]
+        t_alone = time.monotonic() - t
+        t = time.monotonic()
+        together = talker.forward_batch([*items[:2], {**items[0], "hidden": items[0]["hidden"][1:]}, *items[2:]])
+        t_together = time.monotonic() - t
+    assert isinstance(together[2], BadInput) and "expected [9, H]" in str(together[2]), together[2]
+    del together[2]
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert a["speaker"] == b["speaker"] == ("Ethan" if i == 1 else SPEAKER)
+        assert len(a["codes"]) > 0 and a["codes"].tolist() == b["codes"].tolist(), (i, a["codes"], b["codes"])
+    assert len({tuple(a["codes"].tolist()) for a in alone}) == len(alone), "the requests' codes are not distinct"
+    report(request.config, "qwen-omni-stock", f"talker: 4 requests alone {t_alone:.2f}s, in one batch "
+           f"{t_together:.2f}s, the same codes")
+
+
 def test_the_tap_refuses_an_engine_that_would_skip_its_hooks(tiny_omni):
     """Compiled forwards skip module hooks and cached prefixes are never forwarded: a thinker with the tap
     but without enforce_eager fails at start, before its engine is made, naming both settings."""

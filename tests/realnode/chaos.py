@@ -17,7 +17,8 @@ The scenario shared by tests/realnode/test_chaos.py (which asserts on it) and be
 - `Killer`: every PERIOD_S, one pod picked by a seeded random generator among the pipeline's
   master, its stage pods and the operator's pods, deleted as `kubectl delete pod` does
   (gracefully: its drain runs), the pick logged.
-- `wait_recovered`: until everything is back (how long it took is recorded, not judged).
+- `wait_recovered`: until everything is back (how long it took is recorded, not judged), checked
+  from the last kill on while the load still runs.
 """
 
 from __future__ import annotations

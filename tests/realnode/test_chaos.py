@@ -101,8 +101,9 @@ def test_random_pods_deleted_every_10s_under_load(pipe: Pipeline, cluster, kube)
     assert load.wait_first_ok(120), load.outcomes
     killer = chaos.Killer(cluster, kube, pipe.ns, NAME, STAGES, SEED, period=10, duration=120)
     killer.run(load.t0)
-    load.join()
+    # checked from the last kill on, while the load still runs: a part back in seconds reads as seconds
     recovery = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
+    load.join()
     record("pods", chaos.report(load, killer.kills, recovery, seed=SEED, restarts=restarts(pipe)))
 
     assert len(killer.kills) == 12, killer.kills
@@ -127,8 +128,9 @@ def test_random_pods_deleted_during_a_rollout_of_both_stages(pipe: Pipeline, clu
     generation = doc["metadata"]["generation"] + 1
     killer = chaos.Killer(cluster, kube, pipe.ns, NAME, STAGES, SEED + 1, period=10, duration=60)
     killer.run(load.t0)
-    load.join()
+    # checked from the last kill on, while the load still runs: a part back in seconds reads as seconds
     recovery = chaos.wait_recovered(kube, pipe.ns, NAME, address, killer.last_kill_at, RECOVER_TIMEOUT_S)
+    load.join()
     chaos.wait_ready(kube, pipe.ns, NAME, RECOVER_TIMEOUT_S, generation=generation)
     record("rollout", chaos.report(load, killer.kills, recovery, seed=SEED + 1, restarts=restarts(pipe)))
 
@@ -200,9 +202,9 @@ def test_a_node_process_stopped_for_30s_comes_back_and_so_does_the_pipeline(pipe
     cluster.start_node_component(component)  # waits for its health check
     started = time.monotonic()
     print(f"started {component} again after {started - stopped:.0f}s", flush=True)
-    load.join()
     node.wait_node_ready(cluster)
     recovery = chaos.wait_recovered(kube, pipe.ns, NAME, address, started, RECOVER_TIMEOUT_S)
+    load.join()
     record(component, chaos.report(load, [], recovery, outage_s=round(started - stopped, 1),
                                    restarts_before=before, restarts_after=restarts(pipe)))
 

@@ -69,6 +69,70 @@ async def test_torch_engine_runs_a_module_on_wire_arrays():
     assert struct.unpack("<f", bytes(out["sum"].data)) == (9.0,)
 
 
+def scalar(v: float) -> Array:
+    return Array("float32", (1,), struct.pack("<f", v))
+
+
+async def test_torch_engine_batches_the_items_of_concurrent_requests_through_forward_batch():
+    """A module with forward_batch, max_concurrency 4: the items queued while a call runs go together into the
+    next one, in order; a request aborted while queued is left out; an item the module refuses fails its
+    own request only (BadInput, a 400), and a request with two items gets both outputs in order."""
+    import asyncio
+
+    from omnifleet_runtime.engines import BadInput
+
+    stage = Stage(name="s", type="torch", entrypoint="torchfns:make_doubler",
+                  engine_args={"device": "cpu", "max_concurrency": 4})
+    engine = make_engine(stage, "pod-x")
+    await engine.start()
+    module = engine.module
+
+    async def request(rid: str, *items: dict) -> list[float]:
+        async def inputs():
+            for item in items:
+                yield item
+        req = EngineRequest(rid, inputs(), {}, RequestInfo(rid, "completion", "m", prompt="p"))
+        return [struct.unpack("<f", bytes(out["y"].data))[0] async for out in engine.generate(req)]
+
+    async def until(check) -> None:
+        for _ in range(500):
+            if check():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    try:
+        module.gate.clear()  # the first call holds while the others queue behind it
+        first = asyncio.create_task(request("a", {"x": scalar(1)}))
+        await until(lambda: module.batches == [[1.0]])
+        aborted = asyncio.create_task(request("b", {"x": scalar(2)}))
+        two = asyncio.create_task(request("c", {"x": scalar(3)}, {"x": scalar(4)}))
+        bad = asyncio.create_task(request("d", {"x": scalar(5), "bad": True}))
+        await until(lambda: len(engine.queue) == 3)
+        aborted.cancel()
+        module.gate.set()
+        assert await first == [2.0]
+        assert await two == [6.0, 8.0]
+        with pytest.raises(BadInput, match="item 5.0 is bad"):
+            await bad
+        assert aborted.cancelled()
+        # the aborted request's item never reached the module; c's second item came after its first's output
+        assert module.batches == [[1.0], [3.0, 5.0], [4.0]]
+    finally:
+        module.gate.set()
+        await engine.shutdown()
+
+
+async def test_torch_engine_without_concurrency_calls_forward_one_item_at_a_time():
+    stage = Stage(name="s", type="torch", entrypoint="torchfns:make_doubler", engine_args={"device": "cpu"})
+    engine = make_engine(stage, "pod-x")
+    await engine.start()
+    assert engine.batcher is None  # max_concurrency 1: forward, even for a module with forward_batch
+    await engine.shutdown()
+    out = await run(stage, [{"x": scalar(7)}, {"x": scalar(8)}])
+    assert [struct.unpack("<f", bytes(o["y"].data)) for o in out] == [(14.0,), (16.0,)]
+
+
 def test_vllm_omni_stage_fails_at_start_naming_what_is_missing(make_fleet):
     """A vllm-omni stage run with a python that has no vLLM-Omni (here: the test's own) exits 1 with one
     line saying so and how to get one."""

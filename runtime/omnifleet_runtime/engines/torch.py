@@ -10,6 +10,15 @@ arguments, a list as positional arguments, anything else as the one argument.
 `wire.Array` values in the inputs become tensors on the device; tensors in
 the outputs become `wire.Array`s (raw bytes, zero-copy on the wire).
 
+Batching: a module with a `forward_batch(items)` method, in a stage whose
+`max_concurrency` is above 1, gets the items of concurrent requests together:
+one call with the list of every item queued when the previous call returned
+(at most max_concurrency; no item waits for a batch to fill), each item as
+forward would get its arguments. It returns a list as long, of outputs, or of
+exceptions that fail only their own request. A request aborted while its item
+waits is left out of the next call; one aborted during a call has its output
+dropped.
+
 CUDA tensors in the outputs stay on the GPU until a route takes them: a
 co-located torch stage gets a CUDA IPC handle (`wire.CudaIpc`, torch's own
 sharing: the producer's memory stays allocated until the consumer's tensor
@@ -52,6 +61,9 @@ class TorchEngine(Engine):
         self.torch: Any = None
         self.module: Any = None
         self.device = "cpu"
+        self.queue: list[tuple[Any, asyncio.Future]] = []  # items waiting for the next batch
+        self.queued = asyncio.Event()
+        self.batcher: asyncio.Task | None = None
 
     async def start(self) -> None:
         import torch  # heavy: only in the stage process that runs this engine
@@ -68,10 +80,58 @@ class TorchEngine(Engine):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{self.stage.entrypoint} returned {type(module).__name__}, not an nn.Module")
         self.module = module.to(self.device).eval()
+        if int(self.max_concurrency or 0) > 1 and callable(getattr(module, "forward_batch", None)):
+            self.batcher = asyncio.get_running_loop().create_task(self._batches())
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         async for item in request.inputs:
-            yield await asyncio.to_thread(self._forward, item)
+            if self.batcher is None:
+                yield await asyncio.to_thread(self._forward, item)
+                continue
+            done = asyncio.get_running_loop().create_future()
+            self.queue.append((item, done))
+            self.queued.set()
+            yield await done  # an abort cancels it, so the batcher leaves the item out
+
+    async def _batches(self) -> None:
+        while True:
+            await self.queued.wait()
+            self.queued.clear()
+            batch = [(x, f) for x, f in self.queue if not f.done()]
+            self.queue.clear()
+            if not batch:
+                continue
+            try:
+                outs = await asyncio.to_thread(self._forward_batch, [x for x, _ in batch])
+            except Exception as e:  # the call itself failed: every request in it fails with its reason
+                outs = [e] * len(batch)
+            for (_, f), y in zip(batch, outs):
+                if not f.done():
+                    f.set_exception(y) if isinstance(y, BaseException) else f.set_result(y)
+
+    def _forward_batch(self, items: list[Any]) -> list[Any]:
+        outs: list[Any] = [None] * len(items)
+        args = []
+        for i, x in enumerate(items):
+            try:
+                args.append((i, walk(x, self._to_tensor)))
+            except Exception as e:  # an input this process cannot take fails its own request only
+                outs[i] = e
+        if not args:
+            return outs
+        with self.torch.inference_mode():
+            ys = self.module.forward_batch([a for _, a in args])
+        if not isinstance(ys, (list, tuple)) or len(ys) != len(args):
+            got = len(ys) if isinstance(ys, (list, tuple)) else type(ys).__name__
+            raise RuntimeError(f"stage {self.stage.name}: forward_batch of {len(args)} items returned {got}, "
+                               "not a list as long")
+        for (i, _), y in zip(args, ys):
+            outs[i] = y if isinstance(y, BaseException) else walk(y, self._from_tensor)
+        return outs
+
+    async def shutdown(self) -> None:
+        if self.batcher is not None:
+            self.batcher.cancel()
 
     def _forward(self, item: Any) -> Any:
         torch = self.torch
