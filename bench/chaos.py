@@ -64,7 +64,8 @@ def report(res: dict[str, Any], facts: dict[str, Any], prov: dict[str, Any]) -> 
             out += ["One message per kind of error:", ""] + [f"- {k}: {v}" for k, v in examples.items()] + [""]
     out += ["Recovery means: the pipeline Ready, each of its Deployments and the operator's with every replica "
             "ready, no pod terminating, the master's /ready answering 200 and an operator replica holding the "
-            "Lease (checked every second, from the end of the load).", ""]
+            "Lease (checked every second from the last kill, or the node process's restart, while the load "
+            "still runs).", ""]
     parts = [f"- {SCENARIOS[key]}: {parts_line(r)}" for key, r in res["scenarios"].items()
              if key in SCENARIOS and "parts_back_s" in r]
     if parts:
