@@ -82,7 +82,10 @@ GOALS: tuple[Goal, ...] = (
          "(2 cores): 9.59x, a hop of 693 us and 1020 us of runtime CPU against a raw round trip of 72 us; the "
          "latency part alone, run twice each for the runtime before and after 0c2a771 (a SIGTERM during an "
          "engine's start; cf4a8b7 and bbf9981), read 12.98x and 12.95x before, 11.79x and 10.83x "
-         "after (bench/results/2026-12-06-data-plane-ab): the machine, not the code"),
+         "after (bench/results/2026-12-06-data-plane-ab): the machine, not the code. At 70e52fc (the torch engine's "
+         "batching; the data plane's python stages do not use it) and 9cc8f8a (the same runtime), minutes apart: "
+         "12.0x and 12.2x, a hop of 995 and 760 us against a raw round trip of 83 and 62 us (the first in git at "
+         "c3ac6dc)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -92,12 +95,14 @@ GOALS: tuple[Goal, ...] = (
          "reassembly copy; what is left is ZMQ's path against one raw stream (the raw one-frame ZMQ link itself read "
          "1.25-2.60 GB/s against raw TCP's 3.30-4.00 at 57b1033), and the runs of one code differ by as much as the "
          "miss (0.71-0.93x at 6bfa976); the producer's own 4 MiB frames read 0.82-1.02x at 7b5294b. At bbf9981 on "
-         "an Intel Xeon: 0.68x at 16 MiB, 1.02x and 1.13x at 64 and 256 MiB (4 MiB frames 0.78x at 16 MiB)"),
+         "an Intel Xeon: 0.68x at 16 MiB, 1.02x and 1.13x at 64 and 256 MiB (4 MiB frames 0.78x at 16 MiB); at "
+         "70e52fc 0.82x (met; in git at c3ac6dc), at 9cc8f8a (the same runtime) 0.79x at 16 MiB, 1.10x and 1.04x "
+         "at 64 and 256 MiB"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
          "consumer, its wake-up and the hand-off to the callable, 1-2 ms: the per-hop figure above) is as large as "
-         "the copies"),
+         "the copies; 1.79x at bbf9981 (met), 1.30x and 1.35x at 70e52fc and 9cc8f8a (the same runtime)"),
     Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
          "<=", 1.2, why_missed="mostly the request's duration, not its bytes: the master receives 224-231 B per "
          "request at every size (the report's bytes row). The report's control, 1 KiB requests that the producer "
@@ -106,7 +111,8 @@ GOALS: tuple[Goal, ...] = (
          "(strace and perf stat of a master whose one stage sleeps 100 ms, against one that answers at once): the "
          "same system calls, context switches and page faults per request; only its CPU time per request grows, as a "
          "process's does when it runs after a wait of 50 ms or more (its caches, and the core it ran on, gone cold). "
-         "1.51x at bbf9981 on an Intel Xeon"),
+         "1.51x at bbf9981 on an Intel Xeon; 1.59x and 1.93x at 70e52fc and 9cc8f8a (the same runtime), where the "
+         "held control read 1.14x and 1.31x"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -114,7 +120,7 @@ GOALS: tuple[Goal, ...] = (
          "(1.71-2.17x at 16 MiB in the H200 runs since 29b69c4); from 256 MiB it meets. At 0c2a771 two runs on two "
          "lent H100s, minutes apart, the same code: 1.68x at 16 MiB and 1.27x at 64 MiB (met; the hop 0.62-0.64 ms, "
          "the raw handoff 0.37-0.50 ms), then 1.78x and 2.23x (the hop 1.24 and 2.07 ms, the raw handoff 0.70 and "
-         "0.93 ms); the table shows the later run. At 0feeec2 on an H200 "
+         "0.93 ms); at 70e52fc on a third lent H100: 2.39x at 16 MiB and 2.27x at 64 MiB. At 0feeec2 on an H200 "
          "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
          "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
          "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
@@ -129,7 +135,7 @@ GOALS: tuple[Goal, ...] = (
          "a7bd6df, 0.73x at 2b74f53, 0.88x at 7a0d074: met, 0.57x at bd3d11b, 0.80x at 57b1033: met, 0.65x at "
          "9df8e95, 0.81x at 0377d00: met, 0.64x at 0ed41f2, 0.70x at 165f165, 0.59x at d112e00, 0.79x at "
          "b3696ab, the same code, 0.81x at dd71511: met; at 0c2a771 on two lent H100s minutes apart 0.63x, then "
-         "0.99x: met); from 64 MiB the split data path (8 streams) "
+         "0.99x: met; 1.40x at 70e52fc on a third: met); from 64 MiB the split data path (8 streams) "
          "outruns the raw one-frame link (2.0-2.7x at a7bd6df, 2.3-2.9x at 2b74f53, 2.5-3.1x at 7a0d074, "
          "2.4-2.7x at 57b1033, 2.6-2.8x at 9df8e95, 2.4-3.0x at 0377d00, 2.5-2.7x at 0ed41f2, 2.4-2.6x at 165f165, "
          "2.4-2.5x at d112e00, 2.7-3.1x at b3696ab, 2.4-2.9x at dd71511, 2.6-2.8x at 29b69c4, where 16 MiB read "
@@ -178,7 +184,9 @@ GOALS: tuple[Goal, ...] = (
          "0.76-1.13x at 0ed41f2 (0.92x, met), 0.41-0.99x at 165f165 (0.91x, met), 0.87-1.00x at d112e00 (0.94x, "
          "met), 0.84-0.99x at b3696ab, the same code (0.91x, met), 0.80-1.00x at dd71511 (0.91x, met), 0.81-1.08x "
          "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met), 0.93-1.14x at 29b69c4 (1.00x, met), "
-         "0.89-1.01x at 7b5294b (0.96x, met). "
+         "0.89-1.01x at 7b5294b (0.96x, met); on an Intel Xeon 0.89-1.21x at bbf9981 (0.99x, met) and "
+         "0.77-1.13x at 70e52fc (0.90x, short of the goal by its third decimal: 0.897x), the llm stage's path the "
+         "same. "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -187,7 +195,8 @@ GOALS: tuple[Goal, ...] = (
          "vocoder, the vocoder function's hand-off to a worker thread, its audio to the master, PCM out: three "
          "message hops at the runtime's per-hop cost, the data-plane goal above) is paid on top of the engine's first "
          "token: at 7b5294b first audio in 6.88 ms, the engine's first token in 3.88 ms (rounds 1.45-1.94x); at "
-         "bbf9981 on an Intel Xeon 9.84 ms and 5.97 ms (rounds 1.26-2.03x). The runs "
+         "bbf9981 on an Intel Xeon 9.84 ms and 5.97 ms (rounds 1.26-2.03x), at 70e52fc 10.76 ms and 7.25 ms "
+         "(1.54x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
