@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import itertools
 import mmap
 import os
@@ -44,9 +45,11 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from . import constants as C
+from .stripes import usable_cores
 from .wire import Array, ShmRef, as_bytes_view, walk
 
 # Buffers smaller than this are not worth a file: they go inline or as frames.
@@ -57,7 +60,15 @@ _REGION = re.compile(r"^\d+-p\d+\.g\d+$")  # what follows the pod prefix in a po
 # The pool of one sending process holds at most this share of /dev/shm (two stages share a pod's), and at most POOL_MAX.
 POOL_SHARE = 4
 POOL_MAX = 2 << 30
+# A buffer this large is copied into its region by several threads (numpy lets go of the GIL): one core's
+# memcpy does not fill the memory bus (bench/results' data-plane reports: the producer's copy was most of a
+# 16 MiB shared-memory boundary). Each part at least COPY_PART: a thread's hand-off costs what a smaller copy does.
+COPY_PARALLEL_MIN = 8 << 20
+COPY_PART = 4 << 20
+COPY_THREADS_MAX = 4
 _counter = itertools.count()
+_copiers: ThreadPoolExecutor | None = None
+_copiers_lock = threading.Lock()
 
 
 def shm_dir() -> str:
@@ -200,7 +211,7 @@ def _write_region(pool: _Pool, view: memoryview) -> str | None:
     region = pool.take(view.nbytes)
     if region is None:
         return None
-    region.mapping[: view.nbytes] = view
+    copy_into(region.mapping, view)
     os.utime(region.fd)  # the sweep's clock: a region ages from its last write
     region.writes += 1
     name = f"{region.stem}.g{region.writes}"
@@ -211,6 +222,35 @@ def _write_region(pool: _Pool, view: memoryview) -> str | None:
         return None
     pool.sent(region)
     return name
+
+
+@functools.cache
+def copy_threads() -> int:
+    return max(1, min(COPY_THREADS_MAX, usable_cores()))
+
+
+def copy_into(dst: Any, view: memoryview) -> None:
+    """dst[:n] = view (n its bytes), in parallel parts when it is large and there are cores for them."""
+    n = view.nbytes
+    parts = min(copy_threads(), n // COPY_PART) if n >= COPY_PARALLEL_MIN else 1
+    if parts < 2:
+        dst[:n] = view
+        return
+    import numpy
+
+    global _copiers
+    with _copiers_lock:
+        if _copiers is None:
+            _copiers = ThreadPoolExecutor(COPY_THREADS_MAX - 1, thread_name_prefix="shm-copy")
+    out, src = numpy.frombuffer(dst, numpy.uint8, count=n), numpy.frombuffer(view, numpy.uint8)
+    step = -(-n // parts)
+    helped = [_copiers.submit(numpy.copyto, out[i:i + step], src[i:i + step]) for i in range(step, n, step)]
+    try:
+        numpy.copyto(out[:step], src[:step])
+    finally:
+        wait(helped)  # every part is done (or failed) before the region can be sent or reused
+    for f in helped:
+        f.result()
 
 
 def _write(name: str, view: memoryview) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import uuid
 
+import numpy
 import pytest
 from omnifleet_runtime import shm
 from omnifleet_runtime.wire import ShmRef
@@ -62,6 +63,28 @@ def test_a_region_is_reused_once_the_reader_dropped_its_view(prefix):
     with pytest.raises(FileNotFoundError):  # a stale reference finds nothing, not a later transfer's bytes
         shm.load(first, prefix)
     assert shm._pools[prefix].bytes == shm.size_class(MiB)
+
+
+def test_a_large_buffer_is_copied_in_parallel_parts_whole_and_in_order(prefix, monkeypatch):
+    monkeypatch.setattr(shm, "copy_threads", lambda: 3)  # this machine may have fewer cores: the parts still split
+    calls = []
+    copyto = numpy.copyto
+
+    def counted(dst, src):
+        calls.append(dst.nbytes)
+        copyto(dst, src)
+
+    monkeypatch.setattr(numpy, "copyto", counted)
+    data = os.urandom(3 * shm.COPY_PART + 12345)  # three parts, the last one short
+    ref = send(prefix, data)
+    view = shm.load(ref, prefix)
+    assert bytes(view) == data
+    assert len(calls) == 3 and sum(calls) == len(data)
+    del view
+    small = os.urandom(shm.COPY_PARALLEL_MIN - 1)  # below the threshold: one plain copy
+    calls.clear()
+    view = shm.load(send(prefix, small), prefix)
+    assert bytes(view) == small and calls == []
 
 
 def test_a_region_a_reader_still_sees_through_a_slice_is_never_written_again(prefix):
