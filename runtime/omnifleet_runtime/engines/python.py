@@ -27,13 +27,13 @@ engine_args: `max_concurrency` (requests let into the callable at once).
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from ..handoff import Threads
 from ..schema import Stage
 from ..wire import RequestInfo
 from .base import Engine, EngineRequest, load_callable
@@ -58,6 +58,7 @@ class PythonEngine(Engine):
         self.max_concurrency = stage.engine_args.get("max_concurrency")
         self.fn: Any = None
         self.dead_hook: Any = None
+        self.threads = Threads(f"stage-{stage.name}", self.max_concurrency)
 
     async def start(self) -> None:
         self.fn = load_callable(self.stage.entrypoint)
@@ -79,14 +80,17 @@ class PythonEngine(Engine):
                 if out is not None:
                     yield out
             else:
-                out = await asyncio.to_thread(fn, item, sp, ctx)
+                out = await self.threads.run(fn, item, sp, ctx)
                 if inspect.isgenerator(out):
-                    async for x in _drain_in_thread(out):
+                    async for x in _drain_in_thread(out, self.threads):
                         if x is not None:
                             yield x
                 elif out is not None:
                     yield out
             ctx.chunk_index += 1
+
+    async def shutdown(self) -> None:
+        self.threads.close()
 
     def dead(self) -> str | None:
         hook = self.dead_hook
@@ -104,9 +108,9 @@ class PythonEngine(Engine):
         return await result if inspect.isawaitable(result) else result
 
 
-async def _drain_in_thread(gen) -> AsyncIterator[Any]:
+async def _drain_in_thread(gen, threads: Threads) -> AsyncIterator[Any]:
     try:
-        while (x := await asyncio.to_thread(next, gen, _END)) is not _END:
+        while (x := await threads.run(next, gen, _END)) is not _END:
             yield x
     finally:
         try:

@@ -47,6 +47,7 @@ import os
 import warnings
 from typing import Any, AsyncIterator, Callable
 
+from ..handoff import Threads
 from ..schema import Stage
 from ..wire import Array, CudaIpc, walk
 from .base import BadInput, Engine, EngineRequest, load_callable
@@ -64,6 +65,7 @@ class TorchEngine(Engine):
         self.queue: list[tuple[Any, asyncio.Future]] = []  # items waiting for the next batch
         self.queued = asyncio.Event()
         self.batcher: asyncio.Task | None = None
+        self.threads = Threads(f"stage-{stage.name}", int(self.max_concurrency or 1))
 
     async def start(self) -> None:
         import torch  # heavy: only in the stage process that runs this engine
@@ -86,7 +88,7 @@ class TorchEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         async for item in request.inputs:
             if self.batcher is None:
-                yield await asyncio.to_thread(self._forward, item)
+                yield await self.threads.run(self._forward, item)
                 continue
             done = asyncio.get_running_loop().create_future()
             self.queue.append((item, done))
@@ -102,7 +104,7 @@ class TorchEngine(Engine):
             if not batch:
                 continue
             try:
-                outs = await asyncio.to_thread(self._forward_batch, [x for x, _ in batch])
+                outs = await self.threads.run(self._forward_batch, [x for x, _ in batch])
             except Exception as e:  # the call itself failed: every request in it fails with its reason
                 outs = [e] * len(batch)
             for (_, f), y in zip(batch, outs):
@@ -132,6 +134,7 @@ class TorchEngine(Engine):
     async def shutdown(self) -> None:
         if self.batcher is not None:
             self.batcher.cancel()
+        self.threads.close()
 
     def _forward(self, item: Any) -> Any:
         torch = self.torch
