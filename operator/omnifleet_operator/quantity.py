@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 
 _SUFFIX = {
     "": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
@@ -25,7 +25,7 @@ def parse(q: str | int | float) -> Decimal | None:
         return None
     try:
         return Decimal(m.group(1)) * Decimal(_SUFFIX[m.group(2)])
-    except InvalidOperation:
+    except DecimalException:  # e.g. Overflow: a hex hash such as "12e34567890" spells a number past Decimal's range
         return None
 
 

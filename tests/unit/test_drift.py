@@ -1,3 +1,4 @@
+from omnifleet_operator import quantity
 from omnifleet_operator.drift import is_subset
 
 
@@ -17,6 +18,16 @@ def test_changed_owned_field_is_drift():
 def test_quantities_compare_by_value():
     assert is_subset({"memory": "1024Mi", "cpu": "1000m"}, {"memory": "1Gi", "cpu": "1"})
     assert not is_subset({"memory": "1Gi"}, {"memory": "1G"})
+
+
+def test_a_hash_that_reads_as_a_huge_number_is_compared_as_a_string():
+    # A hex hash of digits around one "e" matches a quantity's spelling, with an exponent past Decimal's range:
+    # it made every reconcile of its pipeline raise (decimal.Overflow), so a rollout never went out.
+    desired = {"metadata": {"annotations": {"omnifleet.dev/config-hash": "219e4567891234"}}}
+    assert not is_subset(desired, {"metadata": {"annotations": {"omnifleet.dev/config-hash": "6cf1d55bfe35a9f3"}}})
+    assert not is_subset(desired, {"metadata": {"annotations": {"omnifleet.dev/config-hash": "219e4567891235"}}})
+    assert is_subset(desired, {"metadata": {"annotations": {"omnifleet.dev/config-hash": "219e4567891234"}}})
+    assert quantity.parse("219e4567891234") is None and quantity.parse("2e3") == 2000
 
 
 def test_keyed_lists_match_by_key_and_allow_extras():
