@@ -85,7 +85,11 @@ GOALS: tuple[Goal, ...] = (
          "after (bench/results/2026-12-06-data-plane-ab): the machine, not the code. At 70e52fc (the torch engine's "
          "batching; the data plane's python stages do not use it) and 9cc8f8a (the same runtime), minutes apart: "
          "12.0x and 12.2x, a hop of 995 and 760 us against a raw round trip of 83 and 62 us (the first in git at "
-         "c3ac6dc)"),
+         "c3ac6dc). At cbd4c41 a plain stage function's hand-off goes to the engine's own threads (a queue they "
+         "wait on and one call_soon_threadsafe back: 43 us against asyncio.to_thread's 104-116 us here): 9.09x, a "
+         "hop of 618 us and 910 us of runtime CPU against a raw round trip of 68 us; runs of the runtime before "
+         "and after it, interleaved (bench/results/2026-12-06-data-plane-ab/hop-*), read a plain-function hop "
+         "through the orchestrator of 832 and 765 us before, 725 and 670 us after, coroutine stages unchanged"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -97,12 +101,15 @@ GOALS: tuple[Goal, ...] = (
          "miss (0.71-0.93x at 6bfa976); the producer's own 4 MiB frames read 0.82-1.02x at 7b5294b. At bbf9981 on "
          "an Intel Xeon: 0.68x at 16 MiB, 1.02x and 1.13x at 64 and 256 MiB (4 MiB frames 0.78x at 16 MiB); at "
          "70e52fc 0.82x (met; in git at c3ac6dc), at 9cc8f8a (the same runtime) 0.79x at 16 MiB, 1.10x and 1.04x "
-         "at 64 and 256 MiB"),
+         "at 64 and 256 MiB; at cbd4c41 0.75x at 16 MiB, 0.94x and 1.04x at 64 and 256 MiB"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
          "consumer, its wake-up and the hand-off to the callable, 1-2 ms: the per-hop figure above) is as large as "
-         "the copies; 1.79x at bbf9981 (met), 1.30x and 1.35x at 70e52fc and 9cc8f8a (the same runtime)"),
+         "the copies; 1.79x at bbf9981 (met), 1.30x and 1.35x at 70e52fc and 9cc8f8a (the same runtime). Since "
+         "89194bb a buffer of 8 MiB or more is copied into its region by several threads (one core's copy did "
+         "not fill the memory bus): 2.32x and 2.80x at 16 MiB in interleaved runs against 1.45x and 1.54x "
+         "before (bench/results/2026-12-06-data-plane-ab/shm-*), 2.56x at cbd4c41"),
     Goal("master CPU per request, 256 MiB / 1 KiB", "data_plane", ("master_cpu_per_req_tcp_256MiB_over_1KiB",),
          "<=", 1.2, why_missed="mostly the request's duration, not its bytes: the master receives 224-231 B per "
          "request at every size (the report's bytes row). The report's control, 1 KiB requests that the producer "
@@ -112,7 +119,7 @@ GOALS: tuple[Goal, ...] = (
          "same system calls, context switches and page faults per request; only its CPU time per request grows, as a "
          "process's does when it runs after a wait of 50 ms or more (its caches, and the core it ran on, gone cold). "
          "1.51x at bbf9981 on an Intel Xeon; 1.59x and 1.93x at 70e52fc and 9cc8f8a (the same runtime), where the "
-         "held control read 1.14x and 1.31x"),
+         "held control read 1.14x and 1.31x; 1.76x at cbd4c41, the held control 1.08x"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -120,7 +127,10 @@ GOALS: tuple[Goal, ...] = (
          "(1.71-2.17x at 16 MiB in the H200 runs since 29b69c4); from 256 MiB it meets. At 0c2a771 two runs on two "
          "lent H100s, minutes apart, the same code: 1.68x at 16 MiB and 1.27x at 64 MiB (met; the hop 0.62-0.64 ms, "
          "the raw handoff 0.37-0.50 ms), then 1.78x and 2.23x (the hop 1.24 and 2.07 ms, the raw handoff 0.70 and "
-         "0.93 ms); at 70e52fc on a third lent H100: 2.39x at 16 MiB and 2.27x at 64 MiB. At 0feeec2 on an H200 "
+         "0.93 ms); at 70e52fc on a third lent H100: 2.39x at 16 MiB and 2.27x at 64 MiB; at cbd4c41 (torch "
+         "stages hand forward to the engine's own thread) on a fourth: 2.25x at 16 MiB and 1.57x at 64 MiB (met), "
+         "the hop 1.23 ms, 1.11 ms of it before the consumer's forward was called, against a raw handoff with a "
+         "full read of 0.55 ms. At 0feeec2 on an H200 "
          "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
          "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
          "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
@@ -186,7 +196,7 @@ GOALS: tuple[Goal, ...] = (
          "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met), 0.93-1.14x at 29b69c4 (1.00x, met), "
          "0.89-1.01x at 7b5294b (0.96x, met); on an Intel Xeon 0.89-1.21x at bbf9981 (0.99x, met) and "
          "0.77-1.13x at 70e52fc (0.90x, short of the goal by its third decimal: 0.897x), the llm stage's path the "
-         "same. "
+         "same, 0.80-1.04x at cbd4c41 (0.93x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -196,7 +206,7 @@ GOALS: tuple[Goal, ...] = (
          "message hops at the runtime's per-hop cost, the data-plane goal above) is paid on top of the engine's first "
          "token: at 7b5294b first audio in 6.88 ms, the engine's first token in 3.88 ms (rounds 1.45-1.94x); at "
          "bbf9981 on an Intel Xeon 9.84 ms and 5.97 ms (rounds 1.26-2.03x), at 70e52fc 10.76 ms and 7.25 ms "
-         "(1.54x). The runs "
+         "(1.54x), at cbd4c41 7.37 ms and 4.30 ms (1.70x, rounds 1.52-1.86x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
