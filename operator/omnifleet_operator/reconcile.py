@@ -602,11 +602,11 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
                     wanted = render.desired(doc, owner_uid=uid, keys_hash=keys_hash)
                 else:
                     writes.record(new_keys, rv, cache, created=live_secret is None)
-        except Exception as err:  # reported in status; the next pass retries
-            wanted, writes.terminating = [], namespace_terminating(err)
+        except Exception as err:  # the keys Secret read or written, or rendering: in status, retried next pass
+            wanted, writes.terminating = [], namespace_terminating(err)  # (a namespace going away is no failure)
             if not writes.terminating:
                 apply_error = _api_error_text(err)
-                log.warning("%s/%s: reading children failed: %s", namespace, name, apply_error)
+                log.warning("%s/%s: preparing the children failed: %s", namespace, name, apply_error)
         if conflicts:
             wanted = []
         elif (held := master_keys_hold(wanted, children)) is not None:
