@@ -27,6 +27,7 @@ class Threads:
         self._lock = threading.Lock()
         self._started = 0
         self._idle = 0  # threads waiting for a call that no queued call has claimed
+        self._unclaimed = 0  # calls queued with every thread busy at the ceiling: the next thread free takes one
         self._closed = False
 
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -41,6 +42,8 @@ class Threads:
             elif self._started < self.max_threads:
                 self._started += 1
                 threading.Thread(target=self._work, name=f"{self.name}_{self._started}", daemon=True).start()
+            else:
+                self._unclaimed += 1
         self._queue.put((loop, fut, contextvars.copy_context(), fn, args))
         return fut
 
@@ -66,7 +69,10 @@ class Threads:
                 pass
             del loop, fut, ctx, fn, args, result
             with self._lock:
-                self._idle += 1
+                if self._unclaimed:
+                    self._unclaimed -= 1
+                else:
+                    self._idle += 1
 
 
 def _settle(fut: asyncio.Future, ok: bool, result: Any) -> None:

@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from . import constants as C
-from .stripes import usable_cores
+from . import stripes
 from .wire import Array, ShmRef, as_bytes_view, walk
 
 # Buffers smaller than this are not worth a file: they go inline or as frames.
@@ -226,7 +226,7 @@ def _write_region(pool: _Pool, view: memoryview) -> str | None:
 
 @functools.cache
 def copy_threads() -> int:
-    return max(1, min(COPY_THREADS_MAX, usable_cores()))
+    return max(1, min(COPY_THREADS_MAX, stripes.usable_cores()))
 
 
 def copy_into(dst: Any, view: memoryview) -> None:
@@ -244,9 +244,9 @@ def copy_into(dst: Any, view: memoryview) -> None:
             _copiers = ThreadPoolExecutor(COPY_THREADS_MAX - 1, thread_name_prefix="shm-copy")
     out, src = numpy.frombuffer(dst, numpy.uint8, count=n), numpy.frombuffer(view, numpy.uint8)
     step = -(-n // parts)
-    helped = [_copiers.submit(numpy.copyto, out[i:i + step], src[i:i + step]) for i in range(step, n, step)]
+    helped = [_copiers.submit(stripes.copy, [(out[i:i + step], src[i:i + step])]) for i in range(step, n, step)]
     try:
-        numpy.copyto(out[:step], src[:step])
+        stripes.copy([(out[:step], src[:step])])
     finally:
         wait(helped)  # every part is done (or failed) before the region can be sent or reused
     for f in helped:

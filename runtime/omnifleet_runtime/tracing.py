@@ -22,6 +22,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# Off until setup() finds an endpoint: then start() hands out the API's no-op span itself, where the API
+# would look up its provider (an environment read) and make a tracer for every span of every message.
+_tracer: trace.Tracer | None = None
 
 
 def setup(service: str, instance: str) -> bool:
@@ -37,19 +40,19 @@ def setup(service: str, instance: str) -> bool:
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     atexit.register(provider.shutdown)  # what is still batched leaves on a clean exit
+    global _tracer
+    _tracer = trace.get_tracer("omnifleet")
     return True
-
-
-def tracer() -> trace.Tracer:
-    return trace.get_tracer("omnifleet")
 
 
 def start(name: str, parent: Span | context.Context | None = None, attributes: dict[str, Any] | None = None,
           server: bool = False) -> Span:
-    """A span under parent (a span, or a context from `extract`)."""
+    """A span under parent (a span, or a context from `extract`); a no-op span while nothing exports."""
+    if _tracer is None:
+        return trace.INVALID_SPAN
     ctx = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
     kind = trace.SpanKind.SERVER if server else trace.SpanKind.INTERNAL
-    return tracer().start_span(name, context=ctx, attributes=attributes, kind=kind)
+    return _tracer.start_span(name, context=ctx, attributes=attributes, kind=kind)
 
 
 def end(span: Span | None, error: str | None = None) -> None:

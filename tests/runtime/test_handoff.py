@@ -46,6 +46,12 @@ async def test_one_thread_serves_calls_in_turn_and_more_start_only_while_all_are
     assert sorted(inside) == [0, 1, 2] and threads._started == 3
     gate.set()
     assert await asyncio.gather(*calls) == [0, 1, 2, 3, 4]
+    for _ in range(200):  # each thread idle again, counted once: the two queued calls were nobody's idle thread
+        if threads._idle >= 3:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert threads._idle == 3 and threads._unclaimed == 0
     threads.close()
 
 

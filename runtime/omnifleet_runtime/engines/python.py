@@ -57,6 +57,7 @@ class PythonEngine(Engine):
         self.replica = replica
         self.max_concurrency = stage.engine_args.get("max_concurrency")
         self.fn: Any = None
+        self.kind = ""  # "asyncgen", "coroutine" or "plain": what fn is, read once
         self.dead_hook: Any = None
         self.threads = Threads(f"stage-{stage.name}", self.max_concurrency)
 
@@ -64,18 +65,20 @@ class PythonEngine(Engine):
         self.fn = load_callable(self.stage.entrypoint)
         if not callable(self.fn):
             raise TypeError(f"{self.stage.entrypoint} is not callable")
+        self.kind = ("asyncgen" if inspect.isasyncgenfunction(self.fn) else
+                     "coroutine" if inspect.iscoroutinefunction(self.fn) else "plain")
         module = importlib.import_module(self.stage.entrypoint.partition(":")[0])
         self.dead_hook = getattr(module, "omnifleet_dead", None)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         ctx = StageContext(request.request_id, self.stage.name, self.replica, request.info)
-        fn, sp = self.fn, request.sampling_params
+        fn, sp, kind = self.fn, request.sampling_params, self.kind
         async for item in request.inputs:
-            if inspect.isasyncgenfunction(fn):
+            if kind == "asyncgen":
                 async for out in fn(item, sp, ctx):
                     if out is not None:
                         yield out
-            elif inspect.iscoroutinefunction(fn):
+            elif kind == "coroutine":
                 out = await fn(item, sp, ctx)
                 if out is not None:
                     yield out

@@ -62,7 +62,6 @@ benchmarks); `sleep`, `wake_up`, `reset_prefix_cache`, `start_profile`,
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import difflib
 import inspect
@@ -73,6 +72,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+from ..handoff import Threads
 from ..schema import Stage
 from . import hidden
 from .base import BadInput, Engine, EngineRequest, EngineStartError
@@ -137,7 +137,7 @@ class VllmEngine(Engine):
         # request's last chunk carries the decoder's hidden states as extra["hidden"].
         self.tap = stage.engine_args.get("worker_extension_cls") == hidden.TAP
         # One thread: HF fast tokenizers are not safe to call from several threads at once.
-        self._prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{stage.name}-tokenize")
+        self._prompts = Threads(f"{stage.name}-tokenize", 1)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -230,7 +230,7 @@ class VllmEngine(Engine):
         return None
 
     async def shutdown(self) -> None:
-        self._prompts.shutdown(wait=False, cancel_futures=True)
+        self._prompts.close()
         if self.engine is None:
             return
         try:
@@ -326,8 +326,7 @@ class VllmEngine(Engine):
     async def generate_one(self, item: Any, params: dict[str, Any], rid: str,
                            owner: str | None = None, lora: str = "") -> AsyncIterator[dict[str, Any]]:
         """lora: an adapter name; this stage runs it if it serves it, else its base model."""
-        loop = asyncio.get_running_loop()
-        ids, text, overrides, mm = await loop.run_in_executor(self._prompts, self.prompt_of, item)
+        ids, text, overrides, mm = await self._prompts.run(self.prompt_of, item)
         sp = self.sampling_params({**params, **overrides})
         if self.tap and sp.n > 1:
             raise BadInput(f"stage {self.stage.name!r} puts hidden states on the wire: one sample per prompt (n 1)")
