@@ -89,7 +89,11 @@ GOALS: tuple[Goal, ...] = (
          "wait on and one call_soon_threadsafe back: 43 us against asyncio.to_thread's 104-116 us here): 9.09x, a "
          "hop of 618 us and 910 us of runtime CPU against a raw round trip of 68 us; runs of the runtime before "
          "and after it, interleaved (bench/results/2026-12-06-data-plane-ab/hop-*), read a plain-function hop "
-         "through the orchestrator of 832 and 765 us before, 725 and 670 us after, coroutine stages unchanged"),
+         "through the orchestrator of 832 and 765 us before, 725 and 670 us after, coroutine stages unchanged. At "
+         "8958351 (no span is made while nothing exports traces; a python stage reads its callable's kind once): "
+         "11.55x, a hop of 696 us and 885 us of runtime CPU against a raw round trip of 60 us; interleaved with "
+         "74044da's runtime (hop-74044da-*, hop-8958351-*), a plain-function hop through the orchestrator read 751 "
+         "and 784 us before, 528 and 537 us after (runtime CPU per hop 1115 and 1282 us, 924 and 1010 us)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -101,7 +105,8 @@ GOALS: tuple[Goal, ...] = (
          "miss (0.71-0.93x at 6bfa976); the producer's own 4 MiB frames read 0.82-1.02x at 7b5294b. At bbf9981 on "
          "an Intel Xeon: 0.68x at 16 MiB, 1.02x and 1.13x at 64 and 256 MiB (4 MiB frames 0.78x at 16 MiB); at "
          "70e52fc 0.82x (met; in git at c3ac6dc), at 9cc8f8a (the same runtime) 0.79x at 16 MiB, 1.10x and 1.04x "
-         "at 64 and 256 MiB; at cbd4c41 0.75x at 16 MiB, 0.94x and 1.04x at 64 and 256 MiB"),
+         "at 64 and 256 MiB; at cbd4c41 0.75x at 16 MiB, 0.94x and 1.04x at 64 and 256 MiB; at 8958351 1.02x, 0.95x "
+         "and 1.08x (met)"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -119,7 +124,8 @@ GOALS: tuple[Goal, ...] = (
          "same system calls, context switches and page faults per request; only its CPU time per request grows, as a "
          "process's does when it runs after a wait of 50 ms or more (its caches, and the core it ran on, gone cold). "
          "1.51x at bbf9981 on an Intel Xeon; 1.59x and 1.93x at 70e52fc and 9cc8f8a (the same runtime), where the "
-         "held control read 1.14x and 1.31x; 1.76x at cbd4c41, the held control 1.08x"),
+         "held control read 1.14x and 1.31x; 1.76x at cbd4c41, the held control 1.08x; 2.14x at 8958351, the "
+         "held control 1.08x, the same 1 KiB requests held over not held 1.99x"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -196,7 +202,7 @@ GOALS: tuple[Goal, ...] = (
          "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met), 0.93-1.14x at 29b69c4 (1.00x, met), "
          "0.89-1.01x at 7b5294b (0.96x, met); on an Intel Xeon 0.89-1.21x at bbf9981 (0.99x, met) and "
          "0.77-1.13x at 70e52fc (0.90x, short of the goal by its third decimal: 0.897x), the llm stage's path the "
-         "same, 0.80-1.04x at cbd4c41 (0.93x, met). "
+         "same, 0.80-1.04x at cbd4c41 (0.93x, met), 0.78-1.12x at 8958351 (0.96x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -206,7 +212,8 @@ GOALS: tuple[Goal, ...] = (
          "message hops at the runtime's per-hop cost, the data-plane goal above) is paid on top of the engine's first "
          "token: at 7b5294b first audio in 6.88 ms, the engine's first token in 3.88 ms (rounds 1.45-1.94x); at "
          "bbf9981 on an Intel Xeon 9.84 ms and 5.97 ms (rounds 1.26-2.03x), at 70e52fc 10.76 ms and 7.25 ms "
-         "(1.54x), at cbd4c41 7.37 ms and 4.30 ms (1.70x, rounds 1.52-1.86x). The runs "
+         "(1.54x), at cbd4c41 7.37 ms and 4.30 ms (1.70x, rounds 1.52-1.86x), at 8958351 7.03 ms and 4.11 ms "
+         "(1.66x, rounds 1.47-1.83x; with one thinker token 1.52x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
@@ -222,7 +229,11 @@ GOALS: tuple[Goal, ...] = (
            "watches left kopf, 1.12-1.43x. At aa66307 (a change to the path of a refused create only) 1.25-1.51x at "
            "N=1000 and 1.23-1.29x at N=100; its third N=1000 round matches c500217's third in time (270.9 s against "
            "265.6 s) and in each process's CPU until the last child existed (operator 70.0 s against 69.8, apiserver "
-           "275 s against 272), and its first two rounds ran as slowly, where c500217's ran in 187 and 231 s "
+           "275 s against 272), and its first two rounds ran as slowly, where c500217's ran in 187 and 231 s. At "
+           "61e1879 (the operator of 6518006: a hash that read as a number no longer broke its pipeline's passes) "
+           "1.22-1.28x at N=1000 and 1.25-1.66x at N=100 (the 1.66x round's direct phase took 11.0 s, the others' "
+           "13.8 and 14.2 s); at N=1000 the operator's CPU until the last child existed was 46-54 s, the "
+           "apiserver's 181-205 s against 155-167 s direct, with 21.2 writes per pipeline "
            f"(older cProfile runs: {_CP_PROFILES})")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
