@@ -71,6 +71,10 @@ def report(res: dict[str, Any], facts: dict[str, Any], prov: dict[str, Any]) -> 
     if parts:
         out += ["Each part's time back, in seconds from the last kill (node: the restart); what came back last is "
                 "what recovery waited for:", "", *parts, ""]
+    for key, r in res["scenarios"].items():
+        for pod, seen in (r.get("lingering_pods") or {}).items():
+            out += [f"{SCENARIOS.get(key, key)}: pod {pod} seen terminating for "
+                    f"{seen['terminating_seen_s']:g} s; the end of its log:", "", "```", *seen["log_tail"], "```", ""]
     out += [C.facts_table(facts), ""]
     return "\n".join(out)
 

@@ -187,6 +187,9 @@ def stage(argv: list[str]) -> int:
                    help=f"address other stages reach this pod at (default: ${C.ENV_POD_IP}, else this host)")
     p.add_argument("--drain-timeout", type=float, default=C.DRAIN_TIMEOUT_S,
                    help="seconds to finish in-flight work after SIGTERM (default: %(default)s)")
+    p.add_argument("--exit-timeout", type=float, default=C.STAGE_EXIT_TIMEOUT_S,
+                   help="seconds a stage may take to exit after its drain deadline; past them its threads' "
+                        "stacks are logged and it is killed (default: %(default)s)")
     _add_security_flags(p, C.MAX_DATA_FRAME_BYTES)
     _heartbeat_flags(p)
     p.add_argument("--log-level", default="info")
@@ -222,4 +225,4 @@ def stage(argv: list[str]) -> int:
         )
         for i, name in enumerate(args.stage)
     ]
-    return asyncio.run(Pod(workers, args.host, args.health_port, args.metrics_port).run())
+    return asyncio.run(Pod(workers, args.host, args.health_port, args.metrics_port, args.exit_timeout).run())

@@ -107,6 +107,11 @@ CONTROL_TIMEOUT_S = 10.0
 CONTROL_TIMEOUT_MAX_S = 300.0
 # How long a stage finishes in-flight work after SIGTERM before it aborts it.
 DRAIN_TIMEOUT_S = 30.0
+# A stage worker still running this long after its drain deadline is stuck in its shutdown (a thread that
+# never ends, an engine that does not stop; the vllm engine itself waits up to 30 s for its core): its
+# threads' stacks are logged and it is killed, so the pod ends inside its termination grace period (the
+# operator's 120 s, past drain and this) with the reason in its log.
+STAGE_EXIT_TIMEOUT_S = 60.0
 MASTER_DRAIN_TIMEOUT_S = 20.0  # within the master pod's 30 s termination grace period
 # After SIGTERM the master keeps its API port open (answering 503) at least this long: the Service's
 # endpoint removal reaches every node's proxy only after a while, and a listener closed sooner resets

@@ -26,8 +26,9 @@ class Threads:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._started = 0
-        self._idle = 0  # threads waiting for a call that no queued call has claimed
-        self._unclaimed = 0  # calls queued with every thread busy at the ceiling: the next thread free takes one
+        # Threads waiting for a call that no queued call has claimed, less the calls queued while every thread
+        # was busy at the ceiling (each taken by the next thread free).
+        self._free = 0
         self._closed = False
 
     def run(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -37,13 +38,11 @@ class Threads:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: its threads are shut down")
-            if self._idle:
-                self._idle -= 1
-            elif self._started < self.max_threads:
+            if self._free > 0 or self._started >= self.max_threads:
+                self._free -= 1
+            else:
                 self._started += 1
                 threading.Thread(target=self._work, name=f"{self.name}_{self._started}", daemon=True).start()
-            else:
-                self._unclaimed += 1
         self._queue.put((loop, fut, contextvars.copy_context(), fn, args))
         return fut
 
@@ -69,10 +68,7 @@ class Threads:
                 pass
             del loop, fut, ctx, fn, args, result
             with self._lock:
-                if self._unclaimed:
-                    self._unclaimed -= 1
-                else:
-                    self._idle += 1
+                self._free += 1
 
 
 def _settle(fut: asyncio.Future, ok: bool, result: Any) -> None:

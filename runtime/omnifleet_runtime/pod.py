@@ -14,11 +14,13 @@ restarts it whole.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -36,6 +38,7 @@ METRICS_SCRAPE_TIMEOUT_S = 5.0  # per worker, within one scrape of the pod
 # map it afresh whatever the rest says. The cost: a worker's heap stays at its peak. A pod env that sets
 # GLIBC_TUNABLES itself wins.
 WORKER_MALLOC = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
+STACK_DUMP_WAIT_S = 1.0  # for a stuck worker's stack dump to reach the log before it is killed
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ def _worker_main(spec: WorkerSpec, ready, metrics_port, registered, engine_died)
     die_with_parent(signal.SIGKILL, mp.parent_process().pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which sends SIGTERM
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # nothing to drain before the worker's loop runs
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump of a stuck shutdown
     from . import tracing
     from .commands import setup_logging
     from .config import config_hash, heartbeat, load_config
@@ -91,8 +95,10 @@ def _worker_main(spec: WorkerSpec, ready, metrics_port, registered, engine_died)
 
 
 class Pod:
-    def __init__(self, workers: list[WorkerSpec], health_host: str, health_port: int, metrics_port: int = 0):
+    def __init__(self, workers: list[WorkerSpec], health_host: str, health_port: int, metrics_port: int = 0,
+                 exit_timeout_s: float = C.STAGE_EXIT_TIMEOUT_S):
         self.specs = workers
+        self.exit_timeout_s = exit_timeout_s
         self.health_host, self.health_port, self.metrics_port = health_host, health_port, metrics_port
         ctx = mp.get_context("spawn")  # no fork: a fresh interpreter per engine (CUDA needs it)
         self.ready = [ctx.Event() for _ in workers]
@@ -107,6 +113,7 @@ class Pod:
                                               self.engine_died)
         ]
         self.stopping = False
+        self.stop_deadline = 0.0  # monotonic: past it, a worker still running is killed
 
     def _dead(self) -> list[str]:
         return [p.name for p, died in zip(self.procs, self.engine_died) if died.value or not p.is_alive()]
@@ -164,10 +171,22 @@ class Pod:
     def _stop(self) -> None:
         if not self.stopping:
             self.stopping = True
+            self.stop_deadline = time.monotonic() + max(w.drain_timeout_s for w in self.specs) + self.exit_timeout_s
             log.info("stopping: draining the stage workers")
             for p in self.procs:
                 if p.is_alive():
                     p.terminate()  # SIGTERM: drain
+
+    async def _kill_stuck(self) -> None:
+        stuck = [(w, p) for w, p in zip(self.specs, self.procs) if p.is_alive()]
+        log.error("stage(s) %s still running %gs after their drain deadline (--exit-timeout); their threads' "
+                  "stacks follow, then they are killed", [w.stage for w, _ in stuck], self.exit_timeout_s)
+        for _, p in stuck:
+            os.kill(p.pid, signal.SIGUSR1)
+        await asyncio.sleep(STACK_DUMP_WAIT_S)
+        for _, p in stuck:
+            p.kill()
+        await asyncio.get_running_loop().run_in_executor(None, lambda: [p.join() for _, p in stuck])
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -198,6 +217,8 @@ class Pod:
                         log.error("stage %s exited with code %s; stopping the pod", w.stage, p.exitcode)
                         code = p.exitcode if p.exitcode and p.exitcode > 0 else 1
                         self._stop()
+                if self.stopping and time.monotonic() > self.stop_deadline:
+                    await self._kill_stuck()
                 await asyncio.sleep(0.1)
         finally:
             await runner.cleanup()

@@ -22,8 +22,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-# Off until setup() finds an endpoint: then start() hands out the API's no-op span itself, where the API
-# would look up its provider (an environment read) and make a tracer for every span of every message.
+# The tracer once setup() has found an endpoint. Until then start() hands out the API's no-op span itself,
+# where the API would look up its provider (an environment read) and make a tracer for every span.
 _tracer: trace.Tracer | None = None
 
 

@@ -267,11 +267,8 @@ def missing(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int])
         if st.get("readyReplicas", 0) != want or st.get("updatedReplicas", 0) != want:
             out[f"deployment {d['metadata']['name']}"] = (f"deployment {d['metadata']['name']}: "
                                                           f"{st.get('readyReplicas', 0)}/{want} ready")
-    pods = kube.list("Pod", namespace, f"omnifleet.dev/pipeline={pipeline}")
-    pods += kube.list("Pod", dev.OPERATOR_NAMESPACE, OPERATOR_SELECTOR)
-    terminating = [p["metadata"]["name"] for p in pods if p["metadata"].get("deletionTimestamp")]
-    if terminating:
-        out["no pod terminating"] = f"pods still terminating: {terminating}"
+    if terminating := terminating_pods(kube, namespace, pipeline):
+        out["no pod terminating"] = f"pods still terminating: {sorted(terminating)}"
     if not master_ready(address):
         out["master /ready"] = "the master's /ready is not 200"
     spec = (kube.get("Lease", dev.OPERATOR_NAMESPACE, LEASE_NAME) or {}).get("spec") or {}
@@ -284,11 +281,26 @@ def missing(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int])
     return out
 
 
+def terminating_pods(kube: Kube, namespace: str, pipeline: str) -> dict[str, str]:
+    """The pipeline's and the operator's pods being deleted: name -> namespace."""
+    pods = kube.list("Pod", namespace, f"omnifleet.dev/pipeline={pipeline}")
+    pods += kube.list("Pod", dev.OPERATOR_NAMESPACE, OPERATOR_SELECTOR)
+    return {p["metadata"]["name"]: p["metadata"]["namespace"] for p in pods if p["metadata"].get("deletionTimestamp")}
+
+
+# A pod terminating longer than a stage's drain (30 s) and a margin is stuck in its shutdown: the end of its
+# log, read while it still exists, says where.
+LINGER_S = 40.0
+LINGER_LOG_LINES = 60
+
+
 @dataclass
 class Recovery:
     seconds: float  # from `since` until every part was back
     first_check_s: float  # from `since` to the first check (parts back by then have no time of their own)
     back_s: dict[str, float]  # each part missing at some check: when it was seen back, from `since`
+    # Each pod seen terminating over LINGER_S: how long it was seen terminating, and the end of its log.
+    lingering: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def wait_recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int], since: float,
@@ -299,14 +311,23 @@ def wait_recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str
     first = time.monotonic() - since
     back: dict[str, float] = {}
     away: set[str] = set()
+    seen_terminating: dict[str, float] = {}
+    lingering: dict[str, dict[str, Any]] = {}
     while True:
         gone = missing(kube, namespace, pipeline, address)
         now = time.monotonic() - since
         for part in away - set(gone):
             back[part] = round(now, 1)
         away = set(gone)
+        for pod, ns in terminating_pods(kube, namespace, pipeline).items():
+            for_s = now - seen_terminating.setdefault(pod, now)
+            if for_s > LINGER_S:  # read again at each check: the last read holds what it logged last
+                logs = kube.kubectl("logs", "-n", ns, pod, "--all-containers", f"--tail={LINGER_LOG_LINES}",
+                                    check=False)
+                lingering[pod] = {"terminating_seen_s": round(for_s, 1),
+                                  "log_tail": (logs.stdout or logs.stderr or "").splitlines()[-LINGER_LOG_LINES:]}
         if not gone:
-            return Recovery(now, round(first, 1), back)
+            return Recovery(now, round(first, 1), back, lingering)
         assert time.monotonic() < deadline, (f"not recovered {timeout:.0f}s after the last kill: "
                                              f"{'; '.join(gone.values())}\n{operator_state(kube)}")
         time.sleep(1.0)
@@ -350,5 +371,6 @@ def report(load: Load, kills: list[Kill], recovery: Recovery, **extra: Any) -> d
         "longest_request_s": round(max((o.seconds for o in load.outcomes), default=0.0), 1),
         "kills": [vars(k) for k in kills], "seconds_from_last_kill_to_recovered": round(recovery.seconds, 1),
         "first_check_s": recovery.first_check_s, "parts_back_s": recovery.back_s,
+        "lingering_pods": recovery.lingering,
         **extra,
     }

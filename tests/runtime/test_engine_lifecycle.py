@@ -58,6 +58,26 @@ def test_a_pod_stopped_while_its_engine_loads_stops_at_once(make_fleet, tmp_path
     wait_until(lambda: not pid_alive(helper_pid), "the engine's helper process to be killed", timeout=10)
 
 
+def test_a_stage_stuck_after_its_drain_is_killed_with_its_stacks_logged(make_fleet):
+    """A thread that never ends holds the worker's exit after a clean drain: past --exit-timeout the pod
+    logs the worker's stacks (naming where it waits) and kills it, instead of waiting for the kubelet's
+    SIGKILL at the end of the grace period."""
+    doc = pipeline(stage("stuck", "answer", finalOutput="text"))
+    doc["spec"]["stages"][0]["entrypoint"] = "lifecyclefns:answer"
+    fleet = make_fleet(doc)
+    fleet.env["LIFECYCLE_THREAD_HOLDS_EXIT"] = "1"
+    fleet.start_master()
+    pod = fleet.start_pod("pod-stuck", "stuck", extra=("--drain-timeout", "1", "--exit-timeout", "3"))
+    fleet.wait_ready()
+    os.kill(pod.pid, signal.SIGTERM)
+    wait_until(lambda: not pod.alive(), "the stuck stage pod to be stopped", timeout=60)
+    out = pod.output()
+    assert "drained; exiting" in out  # the drain itself ran and ended
+    assert "stage(s) ['stuck'] still running 3s after their drain deadline (--exit-timeout)" in out, out
+    assert "in hold_exit" in out and "lifecyclefns.py" in out, out  # faulthandler's dump names the thread's frame
+    assert pod.popen.returncode == 1, out
+
+
 def test_engine_death_deregisters_the_replica_and_its_request_fails_over(make_fleet, tmp_path):
     doc = pipeline(stage("eng", "answer", finalOutput="text", replicas=2))
     doc["spec"]["stages"][0]["entrypoint"] = "lifecyclefns:answer"

@@ -44,14 +44,15 @@ async def test_one_thread_serves_calls_in_turn_and_more_start_only_while_all_are
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
     assert sorted(inside) == [0, 1, 2] and threads._started == 3
+    assert threads._free == -2  # the two queued calls: each is owed the next thread free
     gate.set()
     assert await asyncio.gather(*calls) == [0, 1, 2, 3, 4]
     for _ in range(200):  # each thread idle again, counted once: the two queued calls were nobody's idle thread
-        if threads._idle >= 3:
+        if threads._free >= 3:
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
-    assert threads._idle == 3 and threads._unclaimed == 0
+    assert threads._free == 3
     threads.close()
 
 
