@@ -71,6 +71,12 @@ def report(res: dict[str, Any], facts: dict[str, Any], prov: dict[str, Any]) -> 
     if parts:
         out += ["Each part's time back, in seconds from the last kill (node: the restart); what came back last is "
                 "what recovery waited for:", "", *parts, ""]
+    spans = [f"- {SCENARIOS.get(key, key)}: " + ", ".join(f"{pod} {a:g}-{b:g} s" for pod, (a, b) in
+                                                         sorted(r["terminating_seen_s"].items(), key=lambda kv: kv[1]))
+             for key, r in res["scenarios"].items() if r.get("terminating_seen_s")]
+    if spans:
+        out += ["Pods seen terminating (the first and last check that saw each, in seconds from the last kill):", "",
+                *spans, ""]
     for key, r in res["scenarios"].items():
         for pod, seen in (r.get("lingering_pods") or {}).items():
             out += [f"{SCENARIOS.get(key, key)}: pod {pod} seen terminating for "

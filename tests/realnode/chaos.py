@@ -288,10 +288,10 @@ def terminating_pods(kube: Kube, namespace: str, pipeline: str) -> dict[str, str
     return {p["metadata"]["name"]: p["metadata"]["namespace"] for p in pods if p["metadata"].get("deletionTimestamp")}
 
 
-# A pod terminating longer than a stage's drain (30 s) and a margin is stuck in its shutdown: the end of its
-# log, read while it still exists, says where.
-LINGER_S = 40.0
-LINGER_LOG_LINES = 60
+# A pod terminating this long drained in-flight work for a while (this load's requests take a few seconds),
+# or is stuck in its shutdown: the end of its log, read while it still exists, says which and where.
+LINGER_S = 15.0
+LINGER_LOG_LINES = 30
 
 
 @dataclass
@@ -299,6 +299,8 @@ class Recovery:
     seconds: float  # from `since` until every part was back
     first_check_s: float  # from `since` to the first check (parts back by then have no time of their own)
     back_s: dict[str, float]  # each part missing at some check: when it was seen back, from `since`
+    # Each pod seen terminating: the first and last check that saw it so, from `since`.
+    terminating_s: dict[str, list[float]] = field(default_factory=dict)
     # Each pod seen terminating over LINGER_S: how long it was seen terminating, and the end of its log.
     lingering: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -311,7 +313,7 @@ def wait_recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str
     first = time.monotonic() - since
     back: dict[str, float] = {}
     away: set[str] = set()
-    seen_terminating: dict[str, float] = {}
+    seen_terminating: dict[str, list[float]] = {}
     lingering: dict[str, dict[str, Any]] = {}
     while True:
         gone = missing(kube, namespace, pipeline, address)
@@ -320,14 +322,16 @@ def wait_recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str
             back[part] = round(now, 1)
         away = set(gone)
         for pod, ns in terminating_pods(kube, namespace, pipeline).items():
-            for_s = now - seen_terminating.setdefault(pod, now)
+            seen = seen_terminating.setdefault(pod, [round(now, 1), 0.0])
+            seen[1] = round(now, 1)
+            for_s = now - seen[0]
             if for_s > LINGER_S:  # read again at each check: the last read holds what it logged last
                 logs = kube.kubectl("logs", "-n", ns, pod, "--all-containers", f"--tail={LINGER_LOG_LINES}",
                                     check=False)
                 lingering[pod] = {"terminating_seen_s": round(for_s, 1),
                                   "log_tail": (logs.stdout or logs.stderr or "").splitlines()[-LINGER_LOG_LINES:]}
         if not gone:
-            return Recovery(now, round(first, 1), back, lingering)
+            return Recovery(now, round(first, 1), back, seen_terminating, lingering)
         assert time.monotonic() < deadline, (f"not recovered {timeout:.0f}s after the last kill: "
                                              f"{'; '.join(gone.values())}\n{operator_state(kube)}")
         time.sleep(1.0)
@@ -371,6 +375,6 @@ def report(load: Load, kills: list[Kill], recovery: Recovery, **extra: Any) -> d
         "longest_request_s": round(max((o.seconds for o in load.outcomes), default=0.0), 1),
         "kills": [vars(k) for k in kills], "seconds_from_last_kill_to_recovered": round(recovery.seconds, 1),
         "first_check_s": recovery.first_check_s, "parts_back_s": recovery.back_s,
-        "lingering_pods": recovery.lingering,
+        "terminating_seen_s": recovery.terminating_s, "lingering_pods": recovery.lingering,
         **extra,
     }
