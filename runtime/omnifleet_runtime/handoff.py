@@ -62,13 +62,13 @@ class Threads:
                 result, ok = ctx.run(fn, *args), True
             except BaseException as e:  # as to_thread: the caller gets it, whatever it is
                 result, ok = e, False
+            with self._lock:  # free before the caller hears back: the call it makes next finds this thread
+                self._free += 1
             try:
                 loop.call_soon_threadsafe(_settle, fut, ok, result)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
             del loop, fut, ctx, fn, args, result
-            with self._lock:
-                self._free += 1
 
 
 def _settle(fut: asyncio.Future, ok: bool, result: Any) -> None:
