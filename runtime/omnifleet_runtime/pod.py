@@ -63,7 +63,9 @@ def _worker_main(spec: WorkerSpec, ready, metrics_port, registered, engine_died)
     die_with_parent(signal.SIGKILL, mp.parent_process().pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which sends SIGTERM
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # nothing to drain before the worker's loop runs
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump of a stuck shutdown
+    # The parent's stack dump of a stuck shutdown (SIGQUIT, as a JVM's thread dump; SIGUSR1/2 are left to
+    # profilers such as bench/wrapper.py's).
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     from . import tracing
     from .commands import setup_logging
     from .config import config_hash, heartbeat, load_config
@@ -182,7 +184,7 @@ class Pod:
         log.error("stage(s) %s still running %gs after their drain deadline (--exit-timeout); their threads' "
                   "stacks follow, then they are killed", [w.stage for w, _ in stuck], self.exit_timeout_s)
         for _, p in stuck:
-            os.kill(p.pid, signal.SIGUSR1)
+            os.kill(p.pid, signal.SIGQUIT)
         await asyncio.sleep(STACK_DUMP_WAIT_S)
         for _, p in stuck:
             p.kill()
