@@ -93,7 +93,10 @@ GOALS: tuple[Goal, ...] = (
          "8958351 (no span is made while nothing exports traces; a python stage reads its callable's kind once): "
          "11.55x, a hop of 696 us and 885 us of runtime CPU against a raw round trip of 60 us; interleaved with "
          "74044da's runtime (hop-74044da-*, hop-8958351-*), a plain-function hop through the orchestrator read 751 "
-         "and 784 us before, 528 and 537 us after (runtime CPU per hop 1115 and 1282 us, 924 and 1010 us)"),
+         "and 784 us before, 528 and 537 us after (runtime CPU per hop 1115 and 1282 us, 924 and 1010 us). At "
+         "5a9843f on another Intel Xeon (2 cores) whose raw round trip read 121 us, twice the machine's before: "
+         "4.87x, a plain-function hop of 591 us and 899 us of runtime CPU; the ratio fell with the machine's raw "
+         "round trip, not with the code"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -106,7 +109,7 @@ GOALS: tuple[Goal, ...] = (
          "an Intel Xeon: 0.68x at 16 MiB, 1.02x and 1.13x at 64 and 256 MiB (4 MiB frames 0.78x at 16 MiB); at "
          "70e52fc 0.82x (met; in git at c3ac6dc), at 9cc8f8a (the same runtime) 0.79x at 16 MiB, 1.10x and 1.04x "
          "at 64 and 256 MiB; at cbd4c41 0.75x at 16 MiB, 0.94x and 1.04x at 64 and 256 MiB; at 8958351 1.02x, 0.95x "
-         "and 1.08x (met)"),
+         "and 1.08x (met); at 5a9843f 0.85x, 1.03x and 1.07x (met)"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -125,7 +128,8 @@ GOALS: tuple[Goal, ...] = (
          "process's does when it runs after a wait of 50 ms or more (its caches, and the core it ran on, gone cold). "
          "1.51x at bbf9981 on an Intel Xeon; 1.59x and 1.93x at 70e52fc and 9cc8f8a (the same runtime), where the "
          "held control read 1.14x and 1.31x; 1.76x at cbd4c41, the held control 1.08x; 2.14x at 8958351, the "
-         "held control 1.08x, the same 1 KiB requests held over not held 1.99x"),
+         "held control 1.08x, the same 1 KiB requests held over not held 1.99x; 2.63x at 5a9843f on another Intel "
+         "Xeon, the held control 0.88x, the same 1 KiB requests held over not held 2.98x"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -203,7 +207,8 @@ GOALS: tuple[Goal, ...] = (
          "at 80325a6 (0.97x, met), 0.87-1.04x at 629d917 (0.94x, met), 0.93-1.14x at 29b69c4 (1.00x, met), "
          "0.89-1.01x at 7b5294b (0.96x, met); on an Intel Xeon 0.89-1.21x at bbf9981 (0.99x, met) and "
          "0.77-1.13x at 70e52fc (0.90x, short of the goal by its third decimal: 0.897x), the llm stage's path the "
-         "same, 0.80-1.04x at cbd4c41 (0.93x, met), 0.78-1.12x at 8958351 (0.96x, met). "
+         "same, 0.80-1.04x at cbd4c41 (0.93x, met), 0.78-1.12x at 8958351 (0.96x, met), 0.94-1.03x at 5a9843f "
+         "(0.97x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -214,7 +219,10 @@ GOALS: tuple[Goal, ...] = (
          "token: at 7b5294b first audio in 6.88 ms, the engine's first token in 3.88 ms (rounds 1.45-1.94x); at "
          "bbf9981 on an Intel Xeon 9.84 ms and 5.97 ms (rounds 1.26-2.03x), at 70e52fc 10.76 ms and 7.25 ms "
          "(1.54x), at cbd4c41 7.37 ms and 4.30 ms (1.70x, rounds 1.52-1.86x), at 8958351 7.03 ms and 4.11 ms "
-         "(1.66x, rounds 1.47-1.83x; with one thinker token 1.52x). The runs "
+         "(1.66x, rounds 1.47-1.83x; with one thinker token 1.52x). Since e0c5d29 the master dispatches the entry "
+         "stage first (downstream first before): interleaved runs read 9.34 and 9.04 ms before, 8.78 and 8.70 ms "
+         "after (bench/results/2026-12-06-speech-ttfa-ab); at 5a9843f 11.15 ms and 7.07 ms (1.61x, rounds "
+         "1.41-2.02x; with one thinker token 1.78x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
