@@ -198,9 +198,10 @@ class Orchestrator:
         for rep in plan.values():
             rep.outstanding += 1
             rep.assigned += 1
-        # The entry stage first: its engine starts at once (the first output waits on nothing else). Then
-        # downstream first, so a replica usually knows a request before its data arrives (else it holds it).
-        for name in [self.entry, *(s for s in reversed(run.stages) if s != self.entry)]:
+        # The entry stage (first: stages are in topological order) at once: the first output waits on nothing
+        # else. Then downstream first, so a replica usually knows a request before its data arrives (else it
+        # holds it).
+        for name in (run.stages[0], *reversed(run.stages[1:])):
             rep = plan[name]
             span = run.spans[name] = tracing.start(f"stage {name}", run.span, {
                 "omnifleet.stage": name, "omnifleet.replica": rep.replica, "omnifleet.attempt": run.attempt})

@@ -249,10 +249,12 @@ def master_ready(address: tuple[str, int]) -> bool:
         conn.close()
 
 
-def missing(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int]) -> dict[str, str]:
+def missing(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int],
+            terminating: dict[str, str]) -> dict[str, str]:
     """Each part not back yet, with what is missing (empty: all is back): the pipeline Ready, each of its
-    Deployments and the operator's with every wanted replica ready, no pod terminating, the master answering
-    /ready, and an operator replica leading (its Lease renewed within the Lease's duration)."""
+    Deployments and the operator's with every wanted replica ready, no pod terminating (`terminating`:
+    terminating_pods' answer), the master answering /ready, and an operator replica leading (its Lease
+    renewed within the Lease's duration)."""
     out: dict[str, str] = {}
     doc = kube.pipeline(namespace, pipeline)
     if not doc or not is_ready(doc):
@@ -267,7 +269,7 @@ def missing(kube: Kube, namespace: str, pipeline: str, address: tuple[str, int])
         if st.get("readyReplicas", 0) != want or st.get("updatedReplicas", 0) != want:
             out[f"deployment {d['metadata']['name']}"] = (f"deployment {d['metadata']['name']}: "
                                                           f"{st.get('readyReplicas', 0)}/{want} ready")
-    if terminating := terminating_pods(kube, namespace, pipeline):
+    if terminating:
         out["no pod terminating"] = f"pods still terminating: {sorted(terminating)}"
     if not master_ready(address):
         out["master /ready"] = "the master's /ready is not 200"
@@ -316,12 +318,13 @@ def wait_recovered(kube: Kube, namespace: str, pipeline: str, address: tuple[str
     seen_terminating: dict[str, list[float]] = {}
     lingering: dict[str, dict[str, Any]] = {}
     while True:
-        gone = missing(kube, namespace, pipeline, address)
+        terminating = terminating_pods(kube, namespace, pipeline)
+        gone = missing(kube, namespace, pipeline, address, terminating)
         now = time.monotonic() - since
         for part in away - set(gone):
             back[part] = round(now, 1)
         away = set(gone)
-        for pod, ns in terminating_pods(kube, namespace, pipeline).items():
+        for pod, ns in terminating.items():
             seen = seen_terminating.setdefault(pod, [round(now, 1), 0.0])
             seen[1] = round(now, 1)
             for_s = now - seen[0]
