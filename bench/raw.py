@@ -12,11 +12,15 @@ functions run in the benchmark process.
   one reused buffer, touches a byte of every page, answers t1 - t0 (one way).
 - zmq-sink: the same over ZMQ PUSH -> PULL, one frame or several per message,
   received zero-copy; answers over a second PUSH -> PULL pair.
+
+`wake_cost` (a process of its own, no server) is a control for CPU per request: the same
+piece of Python work right after the last one, and after sleeping a while.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import select
 import socket
@@ -296,6 +300,35 @@ class ZmqPushClient:
         self.push.close()
         self.pull.close()
         self.ctx.term()
+
+
+def _fixed_work() -> None:
+    # JSON and dicts, as a request's handling is: a working set of interpreter code and objects.
+    doc = {"a": list(range(200)), "b": "x" * 100, "c": {"d": [1.5] * 20}}
+    for _ in range(60):
+        json.loads(json.dumps(doc))
+
+
+def _wake_cost_child(sleep_s: float, n: int) -> None:
+    warm, cold = [], []
+    _fixed_work()
+    for _ in range(n):  # interleaved, so the machine's drift hits both alike
+        for sleep, out in ((0.0, warm), (sleep_s, cold)):
+            time.sleep(sleep)
+            t0 = time.thread_time()
+            _fixed_work()
+            out.append(time.thread_time() - t0)
+    print(json.dumps({"warm": warm, "cold": cold}))
+
+
+def wake_cost(sleep_s: float, n: int = 20) -> dict[str, list[float]]:
+    """CPU seconds of one fixed piece of Python work, run right after the previous one (`warm`) and after
+    sleeping sleep_s (`cold`), n of each, in a fresh process: what a process pays to wake up on this machine
+    (its caches and the CPU's state went to others meanwhile), whatever the process is."""
+    code = f"from bench.raw import _wake_cost_child; _wake_cost_child({sleep_s!r}, {n})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=60 + 2 * n * sleep_s)
+    return json.loads(out.stdout)
 
 
 if __name__ == "__main__":
