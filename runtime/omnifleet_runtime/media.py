@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import io
 import struct
-import sys
 import wave
 import zlib
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,25 +116,18 @@ def audio_of(payload: Any, max_seconds: float | None = None) -> Audio:
         raise MediaError(f"{shape[0] / rate:.1f}s of audio is more than the {max_seconds:g}s the master encodes")
     raw = memoryview(payload.data).cast("B")
     if payload.dtype == "int16":
-        samples = array("h")
-        samples.frombytes(raw)  # array(code, memoryview) would iterate the bytes
-    elif payload.dtype in ("float32", "float64"):
-        floats = array("f" if payload.dtype == "float32" else "d")
-        floats.frombytes(raw)
-        if sys.byteorder == "big":
-            floats.byteswap()
-        samples = array("h", (int(max(-1.0, min(1.0, x)) * 32767.0) for x in floats))
-        return Audio(_le(samples), rate, channels)
-    else:
+        return Audio(bytes(raw), rate, channels)  # the wire's arrays are little-endian, as PCM is
+    if payload.dtype not in ("float32", "float64"):
         raise MediaError(f"audio samples must be float32, float64 or int16, got {payload.dtype}")
-    return Audio(_le(samples, native=False), rate, channels)
+    import numpy  # here, not at the top: validate and render import this module without the runtime's extras
 
-
-def _le(samples: array, native: bool = True) -> bytes:
-    """Little-endian bytes of int16 samples (native ones are swapped on a big-endian host)."""
-    if native and sys.byteorder == "big":
-        samples.byteswap()
-    return samples.tobytes()
+    # In numpy, not per sample in Python (0.3 us a sample: 4 ms of the master's loop for half a second of
+    # 24 kHz audio). Clipped to [-1, 1] and truncated toward zero in float64; NaN is silence.
+    floats = numpy.frombuffer(raw, "<f4" if payload.dtype == "float32" else "<f8").astype(numpy.float64)
+    numpy.nan_to_num(floats, copy=False, nan=0.0)
+    numpy.clip(floats, -1.0, 1.0, out=floats)
+    floats *= 32767.0
+    return Audio(floats.astype("<i2").tobytes(), rate, channels)
 
 
 def join_audio(chunks: list[Audio], max_seconds: float | None = None) -> Audio:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import random
 import struct
 import wave
 from types import SimpleNamespace
@@ -46,6 +47,15 @@ def test_wav_of_float_and_int16_chunks():
     assert struct.unpack("<4h", a.pcm) == (0, 16383, -16383, 32767)
     b = media.audio_of(Array("int16", (2, 2), struct.pack("<4h", 1, 2, 3, 4)))  # bare: 24 kHz, stereo
     assert (b.sample_rate, b.channels, b.pcm) == (24000, 2, struct.pack("<4h", 1, 2, 3, 4))
+    # Clipped to [-1, 1] and truncated toward zero, as int(max(-1, min(1, x)) * 32767) per sample; NaN is silence.
+    edge = [float("nan"), float("inf"), -float("inf"), -1.5, 1 / 32767, -1 / 32767, 0.99999, -0.0]
+    got = media.audio_of(Array("float64", (8,), struct.pack("<8d", *edge))).pcm
+    assert struct.unpack("<8h", got) == (0, 32767, -32767, -32767, 1, -1, 32766, 0)
+    rng = random.Random(7)
+    many = [rng.uniform(-1.2, 1.2) for _ in range(4096)]
+    want = [int(max(-1.0, min(1.0, x)) * 32767.0) for x in struct.unpack("<4096f", struct.pack("<4096f", *many))]
+    got = media.audio_of(Array("float32", (2048, 2), struct.pack("<4096f", *many)))
+    assert list(struct.unpack("<4096h", got.pcm)) == want and got.channels == 2
     data = media.wav(media.join_audio([a, media.audio_of(chunk)]))
     with wave.open(io.BytesIO(data)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2, 16000, 8)
