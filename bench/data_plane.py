@@ -177,6 +177,16 @@ def anatomy(n: int = 2000) -> dict[str, float]:
         wire.decode(wire.encode(msg))
         xs.append(time.perf_counter() - t0)
     out["wire.encode + wire.decode of a 64 B Data message"] = C.pct(xs, 50)
+    from omnifleet_runtime import media
+
+    chunk = {"audio": wire.Array("float32", (240,), b"\x00\x00\x80\x3e" * 240), "sample_rate": 24000}
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        media.audio_of(chunk)
+        xs.append(time.perf_counter() - t0)
+    out["media.audio_of: 10 ms of 24 kHz float32 audio to 16-bit PCM (the master, per streamed speech chunk)"] = \
+        C.pct(xs, 50)
 
     async def loop_costs() -> None:
         def noop() -> None:
