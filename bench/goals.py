@@ -96,7 +96,8 @@ GOALS: tuple[Goal, ...] = (
          "and 784 us before, 528 and 537 us after (runtime CPU per hop 1115 and 1282 us, 924 and 1010 us). At "
          "5a9843f on another Intel Xeon (2 cores) whose raw round trip read 121 us, twice the machine's before: "
          "4.87x, a plain-function hop of 591 us and 899 us of runtime CPU; the ratio fell with the machine's raw "
-         "round trip, not with the code"),
+         "round trip, not with the code. At 2533522 on the same machine: 5.28x, a hop of 550 us and 848 us of "
+         "runtime CPU against a raw round trip of 104 us (coroutine stages 4.49x)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -109,7 +110,8 @@ GOALS: tuple[Goal, ...] = (
          "an Intel Xeon: 0.68x at 16 MiB, 1.02x and 1.13x at 64 and 256 MiB (4 MiB frames 0.78x at 16 MiB); at "
          "70e52fc 0.82x (met; in git at c3ac6dc), at 9cc8f8a (the same runtime) 0.79x at 16 MiB, 1.10x and 1.04x "
          "at 64 and 256 MiB; at cbd4c41 0.75x at 16 MiB, 0.94x and 1.04x at 64 and 256 MiB; at 8958351 1.02x, 0.95x "
-         "and 1.08x (met); at 5a9843f 0.85x, 1.03x and 1.07x (met)"),
+         "and 1.08x (met); at 5a9843f 0.85x, 1.03x and 1.07x (met); at 2533522 (the same bulk path) 0.798x, 1.00x "
+         "and 1.04x, the producer's own 4 MiB frames 0.91x at 16 MiB"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -129,7 +131,12 @@ GOALS: tuple[Goal, ...] = (
          "1.51x at bbf9981 on an Intel Xeon; 1.59x and 1.93x at 70e52fc and 9cc8f8a (the same runtime), where the "
          "held control read 1.14x and 1.31x; 1.76x at cbd4c41, the held control 1.08x; 2.14x at 8958351, the "
          "held control 1.08x, the same 1 KiB requests held over not held 1.99x; 2.63x at 5a9843f on another Intel "
-         "Xeon, the held control 0.88x, the same 1 KiB requests held over not held 2.98x"),
+         "Xeon, the held control 0.88x, the same 1 KiB requests held over not held 2.98x; 2.81x at 2533522 (the same "
+         "machine), the held control 1.10x, held over not held 2.54x. Since 64ab4ac the report's bulk profile "
+         "counts the master's Python calls per request: 1 KiB held 37 ms made 1741 calls at 2.38 us a call, 64 MiB "
+         "1795 at 2.57 us, 1 MiB not held 1376 at 1.86 us (the difference in calls: the heartbeats it handles "
+         "meanwhile): the same work, each call dearer after a wait; a fixed piece of Python work in a process of "
+         "its own cost 1.14x after sleeping as long as a 256 MiB request (the report's control row)"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -222,7 +229,9 @@ GOALS: tuple[Goal, ...] = (
          "(1.66x, rounds 1.47-1.83x; with one thinker token 1.52x). Since e0c5d29 the master dispatches the entry "
          "stage first (downstream first before): interleaved runs read 9.34 and 9.04 ms before, 8.78 and 8.70 ms "
          "after (bench/results/2026-12-06-speech-ttfa-ab); at 5a9843f 11.15 ms and 7.07 ms (1.61x, rounds "
-         "1.41-2.02x; with one thinker token 1.78x). The runs "
+         "1.41-2.02x; with one thinker token 1.78x); at 2533522, whose master turns float audio into PCM in numpy "
+         "(0f4014b; per sample in Python before; the data-plane report's pieces table: 10.8 us a 10 ms chunk), "
+         "10.54 ms and 6.41 ms (1.59x, rounds 1.33-2.00x; with one thinker token 1.72x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
