@@ -51,11 +51,13 @@ def test_wav_of_float_and_int16_chunks():
     edge = [float("nan"), float("inf"), -float("inf"), -1.5, 1 / 32767, -1 / 32767, 0.99999, -0.0]
     got = media.audio_of(Array("float64", (8,), struct.pack("<8d", *edge))).pcm
     assert struct.unpack("<8h", got) == (0, 32767, -32767, -32767, 1, -1, 32766, 0)
+    # Past one conversion block and not a multiple of it, so that the last, short block is checked too.
+    n = 2 * media.AUDIO_BLOCK + 4098
     rng = random.Random(7)
-    many = [rng.uniform(-1.2, 1.2) for _ in range(4096)]
-    want = [int(max(-1.0, min(1.0, x)) * 32767.0) for x in struct.unpack("<4096f", struct.pack("<4096f", *many))]
-    got = media.audio_of(Array("float32", (2048, 2), struct.pack("<4096f", *many)))
-    assert list(struct.unpack("<4096h", got.pcm)) == want and got.channels == 2
+    many = [rng.uniform(-1.2, 1.2) for _ in range(n)]
+    want = [int(max(-1.0, min(1.0, x)) * 32767.0) for x in struct.unpack(f"<{n}f", struct.pack(f"<{n}f", *many))]
+    got = media.audio_of(Array("float32", (n // 2, 2), struct.pack(f"<{n}f", *many)))
+    assert list(struct.unpack(f"<{n}h", got.pcm)) == want and got.channels == 2
     data = media.wav(media.join_audio([a, media.audio_of(chunk)]))
     with wave.open(io.BytesIO(data)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2, 16000, 8)
