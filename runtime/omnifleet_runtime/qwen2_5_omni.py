@@ -18,8 +18,9 @@ speakers from its `spk_dict.pt` (read as tensors only, `weights_only`).
 
 A prompt with image, audio or video: the prompt rows at the media's placeholders are the hidden states
 alone (their embeddings zeroed), and the talker runs on plain sequence positions, as transformers' generate
-runs it (no grids or audio lengths reach the talker there). Code2wav draws its noise from torch's
-generator: `seed` (a factory argument) makes it reproducible. The speaker is the factories' `speaker`, or a
+runs it (no grids or audio lengths reach the talker there). The talker samples each request from a
+generator of its own (so a batch does not change a request's codes) and code2wav draws its noise from torch's
+generator: `seed` (a factory argument of either) makes them reproducible. The speaker is the factories' `speaker`, or a
 request's voice (matched in any case against `spk_dict.pt`).
 """
 
@@ -83,7 +84,8 @@ def _speaker(speakers: dict[str, Any], name: str, stage: str) -> str:
 class Talker(torch.nn.Module):
     def __init__(self, model: str, speaker: str = "Chelsie", dtype: str = "auto", max_new_tokens: int = 4096,
                  do_sample: bool = True, top_k: int = 40, top_p: float = 0.8, temperature: float = 0.9,
-                 repetition_penalty: float = 1.05, eos_token_id: tuple[int, ...] = (8292, 8294)):
+                 repetition_penalty: float = 1.05, eos_token_id: tuple[int, ...] = (8292, 8294),
+                 seed: int | None = None):
         super().__init__()
         from transformers import Qwen2_5OmniConfig
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniTalkerForConditionalGeneration
@@ -99,9 +101,11 @@ class Talker(torch.nn.Module):
         self.speaker = speaker
         tc = cfg.thinker_config
         self.media_ids = {tc.audio_token_index, tc.image_token_index, tc.video_token_index}
-        self.generation = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, top_k=top_k, top_p=top_p,
-                               temperature=temperature, repetition_penalty=repetition_penalty,
+        self.generation = dict(max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty,
                                eos_token_id=list(eos_token_id))
+        # Sampled, each request draws from a generator of its own (see _RowSampler); generate itself runs greedy.
+        self.sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else None
+        self.seed = seed
 
     def forward(self, prompt_token_ids: list[int], token_ids: list[int], hidden: torch.Tensor,
                 speaker: str | None = None) -> dict[str, Any]:
@@ -175,15 +179,50 @@ class Talker(torch.nn.Module):
             codec = tk.get_input_embeddings()(torch.tensor([tk.codec_pad_token, tk.codec_bos_token],
                                                            device=first.device))
             embeds[:, -2:] -= codec.to(embeds.dtype)
+        from transformers import LogitsProcessorList
+
+        sampler = LogitsProcessorList([] if self.sampling is None else [_RowSampler(b, self.seed, **self.sampling)])
         out = tk.generate(input_ids=talker_ids, input_text_ids=text_ids, thinker_reply_part=reply,
                           inputs_embeds=embeds, attention_mask=mask, suppress_tokens=[tk.codec_bos_token],
-                          pad_token_id=self.generation["eos_token_id"][0], **self.generation)
+                          pad_token_id=self.generation["eos_token_id"][0], do_sample=False,
+                          logits_processor=sampler, **self.generation)
         eos = torch.tensor(self.generation["eos_token_id"], device=out.device)
         codes = []
         for row in out[:, width:]:
             stop = torch.isin(row, eos).nonzero()
             codes.append(row[: int(stop[0]) if len(stop) else len(row)])
         return codes
+
+
+class _RowSampler:
+    """Sampling as transformers' generate samples (temperature, top-k, top-p, then one multinomial draw), but each
+    row of the batch from a generator of its own, so that a request's codes are the ones it gets alone; with
+    `seed`, every request's generator starts from it (reproducible), else from fresh entropy. It is the last
+    logits processor of a greedy generate (after the repetition penalty and the suppressed tokens, as
+    transformers orders them): the drawn token is left the only one with a finite score."""
+
+    def __init__(self, rows: int, seed: int | None, temperature: float, top_k: int, top_p: float):
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        # The warpers generate would add for these values, in its order.
+        self.warpers = LogitsProcessorList(([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else [])
+                                           + ([TopKLogitsWarper(top_k=top_k)] if top_k else [])
+                                           + ([TopPLogitsWarper(top_p=top_p)] if top_p < 1.0 else []))
+        self.rows, self.seed = rows, seed
+        self.generators: list[torch.Generator] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not self.generators:  # on the scores' device, known only now
+            for _ in range(self.rows):
+                g = torch.Generator(device=scores.device)
+                if self.seed is None:
+                    g.seed()
+                else:
+                    g.manual_seed(self.seed)
+                self.generators.append(g)
+        probs = torch.softmax(self.warpers(input_ids, scores), dim=-1)
+        picked = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators)])
+        return torch.full_like(scores, -torch.inf).scatter_(1, picked[:, None], 0.0)
 
 
 class Code2Wav(torch.nn.Module):

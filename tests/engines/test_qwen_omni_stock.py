@@ -170,16 +170,7 @@ def test_the_talker_batched_gives_each_request_the_codes_it_gets_alone(tiny_omni
     from omnifleet_runtime.qwen2_5_omni import Talker
 
     talker = Talker(tiny_omni, dtype="float32", do_sample=False, max_new_tokens=24)
-    width = talker.embed.weight.shape[1]
-    g = torch.Generator().manual_seed(7)
-
-    def item(p: int, n: int, **kw) -> dict:
-        prompt = torch.randint(100, 1000, (p,), generator=g).tolist()
-        return {"prompt_token_ids": prompt, "token_ids": torch.randint(100, 1000, (n,), generator=g).tolist(),
-                "hidden": torch.randn(p + n - 1, width, generator=g), **kw}
-
-    items = [item(7, 3), item(12, 9, speaker="ethan"), item(4, 1), item(9, 15)]
-    items[3]["prompt_token_ids"][2] = min(talker.media_ids)
+    items = talker_items(talker)
     with torch.inference_mode():
         t = time.monotonic()
         alone = [talker(**x) for x in items]
@@ -195,6 +186,48 @@ def test_the_talker_batched_gives_each_request_the_codes_it_gets_alone(tiny_omni
     assert len({tuple(a["codes"].tolist()) for a in alone}) == len(alone), "the requests' codes are not distinct"
     report(request.config, "qwen-omni-stock", f"talker: 4 requests alone {t_alone:.2f}s, in one batch "
            f"{t_together:.2f}s, the same codes")
+
+
+def talker_items(talker) -> list[dict]:
+    """Four talker inputs: prompts of 7, 12, 4 and 9 tokens with 3, 9, 1 and 15 thinker tokens, the second in
+    another voice, the last with an image placeholder in its prompt."""
+    import torch
+
+    width = talker.embed.weight.shape[1]
+    g = torch.Generator().manual_seed(7)
+
+    def item(p: int, n: int, **kw) -> dict:
+        prompt = torch.randint(100, 1000, (p,), generator=g).tolist()
+        return {"prompt_token_ids": prompt, "token_ids": torch.randint(100, 1000, (n,), generator=g).tolist(),
+                "hidden": torch.randn(p + n - 1, width, generator=g), **kw}
+
+    items = [item(7, 3), item(12, 9, speaker="ethan"), item(4, 1), item(9, 15)]
+    items[3]["prompt_token_ids"][2] = min(talker.media_ids)
+    return items
+
+
+def test_the_talker_sampled_draws_each_request_from_its_own_generator(tiny_omni):
+    """Sampled (the talker's default temperature, top-k and top-p, and a seed), each request of a batch gets
+    the codes it gets alone, and again on a second run; the codes are not the greedy ones, and another seed
+    draws others. (A batch drawing from one generator gives its requests other codes than alone.)"""
+    import torch
+
+    from omnifleet_runtime.qwen2_5_omni import Talker
+
+    def codes(outs: list[dict]) -> list[list[int]]:
+        return [o["codes"].tolist() for o in outs]
+
+    with torch.inference_mode():
+        greedy = Talker(tiny_omni, dtype="float32", do_sample=False, max_new_tokens=24)
+        items = talker_items(greedy)
+        seeded = Talker(tiny_omni, dtype="float32", seed=11, max_new_tokens=24)
+        alone = codes([seeded(**x) for x in items])
+        together = codes(seeded.forward_batch(items))
+        again = codes(seeded.forward_batch(items[::-1]))[::-1]
+        other = codes(Talker(tiny_omni, dtype="float32", seed=12, max_new_tokens=24).forward_batch(items))
+        plain = codes([greedy(**x) for x in items])
+    assert all(alone) and together == alone and again == alone, (alone, together, again)
+    assert alone != plain and other != alone, (alone, plain, other)
 
 
 def test_the_tap_refuses_an_engine_that_would_skip_its_hooks(tiny_omni):
