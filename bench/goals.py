@@ -97,7 +97,8 @@ GOALS: tuple[Goal, ...] = (
          "5a9843f on another Intel Xeon (2 cores) whose raw round trip read 121 us, twice the machine's before: "
          "4.87x, a plain-function hop of 591 us and 899 us of runtime CPU; the ratio fell with the machine's raw "
          "round trip, not with the code. At 2533522 on the same machine: 5.28x, a hop of 550 us and 848 us of "
-         "runtime CPU against a raw round trip of 104 us (coroutine stages 4.49x)"),
+         "runtime CPU against a raw round trip of 104 us (coroutine stages 4.49x); at ced3bdb 5.18x, a hop of 590 us "
+         "and 894 us of runtime CPU against 114 us (coroutine stages 4.38x)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -111,7 +112,7 @@ GOALS: tuple[Goal, ...] = (
          "70e52fc 0.82x (met; in git at c3ac6dc), at 9cc8f8a (the same runtime) 0.79x at 16 MiB, 1.10x and 1.04x "
          "at 64 and 256 MiB; at cbd4c41 0.75x at 16 MiB, 0.94x and 1.04x at 64 and 256 MiB; at 8958351 1.02x, 0.95x "
          "and 1.08x (met); at 5a9843f 0.85x, 1.03x and 1.07x (met); at 2533522 (the same bulk path) 0.798x, 1.00x "
-         "and 1.04x, the producer's own 4 MiB frames 0.91x at 16 MiB"),
+         "and 1.04x, the producer's own 4 MiB frames 0.91x at 16 MiB; at ced3bdb 0.87x, 0.98x and 1.01x (met)"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -136,7 +137,9 @@ GOALS: tuple[Goal, ...] = (
          "counts the master's Python calls per request: 1 KiB held 37 ms made 1741 calls at 2.38 us a call, 64 MiB "
          "1795 at 2.57 us, 1 MiB not held 1376 at 1.86 us (the difference in calls: the heartbeats it handles "
          "meanwhile): the same work, each call dearer after a wait; a fixed piece of Python work in a process of "
-         "its own cost 1.14x after sleeping as long as a 256 MiB request (the report's control row)"),
+         "its own cost 1.14x after sleeping as long as a 256 MiB request (the report's control row). At ced3bdb: "
+         "2.79x, the held control 1.09x, held over not held 2.57x; 1 KiB held 32 ms 1741 calls at 2.03 us, 64 MiB "
+         "1792 at 2.04 us, 1 MiB not held 1354 at 1.69 us; the fixed piece of Python work 1.07x after sleeping"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -150,7 +153,8 @@ GOALS: tuple[Goal, ...] = (
          "full read of 0.55 ms; at db8c977 (the runtime of 8958351) on a fifth: 2.21x at 16 MiB and 1.42x at 64 MiB "
          "(met), the hop 1.17 ms, 1.08 ms of it before the consumer's forward, against 0.53 ms; at 4790628 on a "
          "sixth: 2.14x at 16 MiB and 1.91x at 64 MiB (met), the hop 1.14 ms, 1.01 ms of it before the consumer's "
-         "forward, against 0.53 ms. At 0feeec2 on an H200 "
+         "forward, against 0.53 ms; at ced3bdb on a seventh: 1.79x at 16 MiB (met) and 1.35x at 64 MiB, the hop "
+         "0.99 ms, 0.90 ms of it before the consumer's forward, against 0.55 ms. At 0feeec2 on an H200 "
          "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
          "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
          "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
@@ -172,7 +176,9 @@ GOALS: tuple[Goal, ...] = (
          "0.58x: 2.59 GB/s, with the co-located hop at 1.26 ms; 2.6-3.1x at 56fe3db, where 16 MiB read 0.76x: 2.93 "
          "GB/s, the co-located hop 1.30 ms). Since 2fb1842 a torch stage on a GPU reassembles its split inputs "
          "into pinned host memory, so the H2D runs at DMA speed (53 GB/s pinned against 18 GB/s pageable in the "
-         "report): 0.86x at 16 MiB (3.81 GB/s, met) and 4.8-5.5x from 64 MiB (6.7-8.3 GB/s, 3.6-4.1 before)"),
+         "report): 0.86x at 16 MiB (3.81 GB/s, met) and 4.8-5.5x from 64 MiB (6.7-8.3 GB/s, 3.6-4.1 before); 1.11x "
+         "at 4790628 on a lent H100 (met), 0.68x at ced3bdb on another (3.89 GB/s against a one-frame wire of 5.71 "
+         "GB/s there; 4.0-4.6x from 64 MiB)"),
     Goal("bulk, two pods, the curve data plane (CurveZMQ; since 9a58d6c large messages AES-GCM sealed, their keys "
          "over CurveZMQ) / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
@@ -233,7 +239,8 @@ GOALS: tuple[Goal, ...] = (
          "after (bench/results/2026-12-06-speech-ttfa-ab); at 5a9843f 11.15 ms and 7.07 ms (1.61x, rounds "
          "1.41-2.02x; with one thinker token 1.78x); at 2533522, whose master turns float audio into PCM in numpy "
          "(0f4014b; per sample in Python before; the data-plane report's pieces table: 10.8 us a 10 ms chunk), "
-         "10.54 ms and 6.41 ms (1.59x, rounds 1.33-2.00x; with one thinker token 1.72x). The runs "
+         "10.54 ms and 6.41 ms (1.59x, rounds 1.33-2.00x; with one thinker token 1.72x); at ced3bdb 10.34 ms and "
+         "6.43 ms (1.63x, rounds 1.54-1.97x; with one thinker token 1.82x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
