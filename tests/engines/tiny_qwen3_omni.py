@@ -16,17 +16,11 @@ stored as bfloat16 (the engines load them as float32).
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import hashlib
-import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-STAMP = ".omnifleet-complete"
+from omnifleet_runtime.devsetup import tiny_omni
+
 SEED = 20261207
 H = 128
 ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [12, 10, 10], "interleaved": True}
@@ -82,34 +76,15 @@ RECIPE = {
 }
 
 
-def model_dir() -> Path:
-    import transformers
-
-    key = hashlib.sha256(json.dumps([RECIPE, transformers.__version__], sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("OMNIFLEET_CACHE") or Path.home() / ".cache" / "omnifleet")
-    return root / "models" / f"tiny-qwen3-omni-{key}"
-
-
 def build(out: Path) -> None:
     import torch
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+    from transformers import (Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeConfig,
+                              Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor, WhisperFeatureExtractor)
 
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update(SPECIALS)
-    vocab.update(ROLE_WORDS)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in ROLE_WORDS])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>",
-                              "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
-                              "vision_eos_token": "<|vision_end|>", "audio_bos_token": "<|audio_start|>",
-                              "audio_eos_token": "<|audio_end|>"})
-    fast.chat_template = CHAT_TEMPLATE
+    fast = tiny_omni.byte_tokenizer(SPECIALS, CHAT_TEMPLATE, ROLE_WORDS, image_token="<|image_pad|>",
+                                    audio_token="<|audio_pad|>", video_token="<|video_pad|>",
+                                    vision_bos_token="<|vision_start|>", vision_eos_token="<|vision_end|>",
+                                    audio_bos_token="<|audio_start|>", audio_eos_token="<|audio_end|>")
     cfg = Qwen3OmniMoeConfig(
         thinker_config=dict(text_config=RECIPE["text"], audio_config=RECIPE["audio"], vision_config=RECIPE["vision"],
                             **RECIPE["thinker_ids"]),
@@ -119,9 +94,6 @@ def build(out: Path) -> None:
     Qwen3OmniMoeForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(out)
     fast.save_pretrained(out)
     # The multimodal processor (vLLM's engine builds its dummy inputs with it); vLLM-Omni's env has torchvision.
-    from transformers import (Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3OmniMoeProcessor,
-                              WhisperFeatureExtractor)
-
     Qwen3OmniMoeProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16),
                           video_processor=Qwen2VLVideoProcessor(patch_size=16),
                           feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=fast,
@@ -130,32 +102,8 @@ def build(out: Path) -> None:
 
 def ensure() -> Path:
     """The checkpoint's directory, built if missing."""
-    final = model_dir()
-    if (final / STAMP).exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
-    try:
-        build(tmp)
-        (tmp / STAMP).write_text(json.dumps(RECIPE, sort_keys=True) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"built {final}", file=sys.stderr)
-    return final
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--print-path", action="store_true", help="print only the checkpoint's directory")
-    args = ap.parse_args(argv)
-    with contextlib.redirect_stdout(sys.stderr if args.print_path else sys.stdout):
-        path = ensure()
-    print(path)
-    return 0
+    return tiny_omni.cached(tiny_omni.model_dir("tiny-qwen3-omni", RECIPE), RECIPE, build)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(tiny_omni.cli(ensure, __doc__))

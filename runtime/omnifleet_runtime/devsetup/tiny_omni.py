@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 STAMP = ".omnifleet-complete"
 SEED = 20261201
@@ -89,36 +90,49 @@ def log(msg: str) -> None:
     print(f"[tiny_omni {time.monotonic() - _t0:5.1f}s] {msg}", flush=True)
 
 
-def model_dir() -> Path:
+def model_dir(name: str = "tiny-qwen2.5-omni", recipe: dict | None = None) -> Path:
+    """Where a checkpoint of this recipe and this transformers version lives."""
     import transformers
 
-    key = hashlib.sha256(json.dumps([RECIPE, transformers.__version__], sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([recipe or RECIPE, transformers.__version__],
+                                    sort_keys=True).encode()).hexdigest()[:12]
     root = Path(os.environ.get("OMNIFLEET_CACHE") or Path.home() / ".cache" / "omnifleet")
-    return root / "models" / f"tiny-qwen2.5-omni-{key}"
+    return root / "models" / f"{name}-{key}"
+
+
+def byte_tokenizer(specials: dict[str, int], chat_template: str, words: dict[str, int] | None = None,
+                   **named: str) -> Any:
+    """A byte-level tokenizer (256 byte tokens) with a model's special tokens, and any words, at their real ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update(specials)
+    vocab.update(words or {})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    if words:
+        tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   extra_special_tokens=named)
+    fast.chat_template = chat_template
+    return fast
 
 
 def build(out: Path) -> None:
     import importlib.util
 
     import torch
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (PreTrainedTokenizerFast, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration,
-                              Qwen2_5OmniProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor,
-                              WhisperFeatureExtractor)
+    from transformers import (Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor, WhisperFeatureExtractor)
 
     log("tokenizer: 256 byte tokens + Qwen's special tokens at their ids")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update(SPECIALS)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        extra_special_tokens={"image_token": "<|IMAGE|>", "audio_token": "<|AUDIO|>", "video_token": "<|VIDEO|>",
-                              "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
-                              "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"})
-    fast.chat_template = CHAT_TEMPLATE
+    fast = byte_tokenizer(SPECIALS, CHAT_TEMPLATE, image_token="<|IMAGE|>", audio_token="<|AUDIO|>",
+                          video_token="<|VIDEO|>", vision_bos_token="<|vision_bos|>",
+                          vision_eos_token="<|vision_eos|>", audio_bos_token="<|audio_bos|>",
+                          audio_eos_token="<|audio_eos|>")
 
     log("Qwen2_5OmniForConditionalGeneration with seeded weights")
     cfg = Qwen2_5OmniConfig(
@@ -147,20 +161,17 @@ def build(out: Path) -> None:
                 for name, bos in RECIPE["speakers"].items()}, out / "spk_dict.pt")
 
 
-def ensure() -> Path:
-    """The checkpoint's directory, built if missing."""
-    import importlib.util
-
-    final = model_dir()
-    # A copy built where torchvision was missing lacks the processor: build it again where it is not.
-    if (final / STAMP).exists() and ((final / "processor_config.json").exists()
-                                     or importlib.util.find_spec("torchvision") is None):
+def cached(final: Path, recipe: dict, make: Callable[[Path], None], complete: Callable[[Path], bool] | None = None
+           ) -> Path:
+    """`final`, made by `make` if it is not complete (built in a temporary folder beside it, stamped with the
+    recipe, renamed into place: a build cut short leaves nothing that looks complete)."""
+    if (final / STAMP).exists() and (complete is None or complete(final)):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
     try:
-        build(tmp)
-        (tmp / STAMP).write_text(json.dumps(RECIPE, sort_keys=True) + "\n")
+        make(tmp)
+        (tmp / STAMP).write_text(json.dumps(recipe, sort_keys=True) + "\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -170,14 +181,27 @@ def ensure() -> Path:
     return final
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def ensure() -> Path:
+    """The checkpoint's directory, built if missing."""
+    import importlib.util
+
+    # A copy built where torchvision was missing lacks the processor: build it again where it is not.
+    return cached(model_dir(), RECIPE, build, lambda final: (final / "processor_config.json").exists()
+                  or importlib.util.find_spec("torchvision") is None)
+
+
+def cli(ensure: Callable[[], Path], doc: str, argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--print-path", action="store_true", help="print only the checkpoint's directory")
     args = ap.parse_args(argv)
     with contextlib.redirect_stdout(sys.stderr if args.print_path else sys.stdout):
         path = ensure()
     print(path)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(ensure, __doc__, argv)
 
 
 if __name__ == "__main__":
