@@ -1,19 +1,24 @@
-"""vLLM-Omni's own engines on a tiny Qwen3-Omni on the CPU: the MoE thinker, the MoE talker with its code
-predictor, code2wav, in vLLM-Omni's whole-output mode (`async_chunk: false`).
+"""vLLM-Omni's engines on a tiny Qwen3-Omni on the CPU, alone and as omnifleet stages: the MoE thinker, the MoE
+talker with its code predictor, code2wav, in vLLM-Omni's whole-output mode (`async_chunk: false`).
 
-vLLM-Omni's single-process `Omni` engine (tests/engines/vllm_omni_oracle.py) runs the three stages on the CPU
-through omnifleet's platform plugin (plugins/omnifleet-vllm-omni-cpu), on the tiny checkpoint that
-tests/engines/tiny_qwen3_omni.py makes, with vLLM-Omni's Qwen3-Omni deploy settings made CPU-sized (float32
-but the talker, eager, no CUDA graphs, the MoE backend vLLM picks). The same request twice must give the same
-thinker tokens and audio of the same length. Not the same audio: the talker draws its first codebook with the
-request's seed (the deploy file's), but its code predictor draws the other codebooks from the engine's global
-generator, so in one process the second request's codes part from the first's (the report says from which
-sample its audio differs); a distributed run is to be compared with a run of the same requests in the same
-order.
+The oracle is vLLM-Omni's single-process `Omni` engine (tests/engines/vllm_omni_oracle.py), all three stages on
+the CPU through omnifleet's platform plugin (plugins/omnifleet-vllm-omni-cpu), on the tiny checkpoint that
+tests/engines/tiny_qwen3_omni.py makes, with vLLM-Omni's Qwen3-Omni deploy settings made CPU-sized (float32 but
+the talker, eager, no CUDA graphs, the MoE backend vLLM picks). The fleet is the same three stages as
+`vllm-omni` stages, a pod process each (vLLM-Omni's environment, a device lock of its own as a pod's /tmp
+gives it), behind omnifleet's master, started beside the oracle. Both take the same two requests in the same
+order; the fleet's thinker tokens and audio must be the oracle's.
+
+The same request twice does not give the same audio: the talker draws its first codebook with the request's
+seed (the deploy file's), but its code predictor draws the other codebooks from the engine's global generator,
+so the second request's codes part from the first's (the report says from which sample). That generator starts
+from the same state in every fresh engine process, and the talker's engine runs the same requests in the same
+order in both: so the fleet's second request is compared with the oracle's second too.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import subprocess
@@ -23,16 +28,18 @@ from array import array
 import pytest
 import yaml
 
+from fleet_harness import Fleet, pipeline  # noqa: E402
+
 from ..conftest import time_limit  # noqa: E402
-from .conftest import HERE, end, report, run_in_group  # noqa: E402
-from .test_vllm_omni import _env, omni_python  # noqa: E402,F401 (omni_python: a fixture, vLLM-Omni's python)
+from .conftest import HEARTBEAT, HERE, end, report, run_in_group  # noqa: E402
+from .test_vllm_omni import _env, omni_python, own_device_lock  # noqa: E402,F401 (omni_python: a fixture)
 
 pytestmark = [pytest.mark.vllm]
-TEST_TIMEOUT_S = 1500
-RUN_TIMEOUT_S = 1200  # the engine's start (about 2.5 min alone on two cores) and two requests
+TEST_TIMEOUT_S = 2400  # the first test waits for the oracle, which starts beside the fleet on two cores
+RUN_TIMEOUT_S = 1800  # the oracle's engine start (about 2.5 min alone on two cores), beside the fleet's
 
-ENGINE = {"devices": "0", "dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 2048,
-          "max_num_seqs": 1, "enforce_eager": True, "moe_backend": "auto", "max_cudagraph_capture_size": 0,
+ENGINE = {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 2048, "max_num_seqs": 1,
+          "enforce_eager": True, "moe_backend": "auto", "max_cudagraph_capture_size": 0,
           "trust_remote_code": True, "enable_prefix_caching": False}
 # vLLM-Omni's qwen3_omni_moe deploy file's sampling (its talker's seed included), the lengths made small.
 SAMPLING = [
@@ -42,8 +49,13 @@ SAMPLING = [
 ]
 # The talker in bfloat16: vLLM-Omni's Qwen3-Omni talker makes its input rows in bfloat16 whatever the model's
 # dtype (float32 fails: "mat1 and mat2 must have the same dtype").
-STAGES = [{**ENGINE, "mm_processor_cache_gb": 0}, {**ENGINE, "dtype": "bfloat16"},
-          {**ENGINE, "enable_chunked_prefill": False, "async_scheduling": False}]
+STAGES = [
+    dict(name="thinker", modelStage="thinker", workerType="ar", final="text",
+         engine={**ENGINE, "mm_processor_cache_gb": 0}),
+    dict(name="talker", modelStage="talker", workerType="ar", final=None, engine={**ENGINE, "dtype": "bfloat16"}),
+    dict(name="code2wav", modelStage="code2wav", workerType="generation", final="audio",
+         engine={**ENGINE, "enable_chunked_prefill": False, "async_scheduling": False}),
+]
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -61,29 +73,118 @@ def tiny_qwen3_omni(omni_python) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def test_vllm_omni_runs_a_tiny_qwen3_omni_on_the_cpu(omni_python, tiny_qwen3_omni, tmp_path, request):
-    deploy = {"async_chunk": False, "stages": [{"stage_id": i, **engine, "default_sampling_params": SAMPLING[i]}
-                                               for i, engine in enumerate(STAGES)]}
-    (tmp_path / "deploy.yaml").write_text(yaml.safe_dump(deploy))
-    (tmp_path / "request.json").write_text(json.dumps({"prompts": [MESSAGES, MESSAGES], "sampling_params": SAMPLING}))
-    t = time.monotonic()
-    proc = run_in_group([omni_python, str(HERE / "vllm_omni_oracle.py"), tiny_qwen3_omni,
-                         str(tmp_path / "deploy.yaml"), str(tmp_path / "request.json"), str(tmp_path)],
-                        tmp_path, tmp_path / "omni.log", _env())
+@pytest.fixture(scope="module")
+def oracle_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
+    """vLLM-Omni's own engine on the two requests, started (not waited for): the oracle fixture waits."""
+    tmp = tmp_path_factory.mktemp("oracle")
+    deploy = {"async_chunk": False, "stages": [{"stage_id": i, "devices": "0", **s["engine"],
+                                                "default_sampling_params": SAMPLING[i]}
+                                               for i, s in enumerate(STAGES)]}
+    (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
+    (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, MESSAGES], "sampling_params": SAMPLING}))
+    proc = run_in_group([omni_python, str(HERE / "vllm_omni_oracle.py"), tiny_qwen3_omni, str(tmp / "deploy.yaml"),
+                         str(tmp / "request.json"), str(tmp)], tmp, tmp / "omni.log", _env())
+    yield proc, tmp, time.monotonic()
+    end(proc, None)
+
+
+@pytest.fixture(scope="module")
+def oracle(launched, request) -> list[dict]:
+    (proc, tmp, t), _ = launched
     end(proc, RUN_TIMEOUT_S)  # the oracle ends with os._exit; the group's engine processes go with it
-    log = (tmp_path / "omni.log").read_text(errors="replace")
-    assert proc.returncode == 0 and (tmp_path / "result.json").exists(), log[-6000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    first, second = result["requests"]
+    log = (tmp / "omni.log").read_text(errors="replace")
+    assert proc.returncode == 0 and (tmp / "result.json").exists(), log[-6000:]
+    result = json.loads((tmp / "result.json").read_text())
+    for i, one in enumerate(result["requests"]):
+        one["audio"] = array("f", (tmp / f"audio.{i}.f32").read_bytes())
+    report(request.config, "vllm-omni-qwen3", f"oracle (vLLM-Omni's Omni, 3 stages, beside the fleet): engine "
+           f"start {result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
+    return result["requests"]
+
+
+def doc(model: str) -> dict:
+    stages = []
+    for i, s in enumerate(STAGES):
+        stage = {"name": s["name"], "type": "vllm-omni", "gpus": 0, "engineArgs": s["engine"],
+                 "samplingParams": SAMPLING[i], "engineStartTimeoutSeconds": 1500,
+                 "vllmOmni": {"pipeline": "qwen3_omni_moe", "stageId": i, "modelStage": s["modelStage"],
+                              "workerType": s["workerType"]}}
+        if s["final"]:
+            stage["finalOutput"] = s["final"]
+        if stages:
+            stage["inputs"] = [stages[-1]["name"]]
+            stage["inputMode"] = "whole"
+        stages.append(stage)
+    d = pipeline(*stages, name="qwen3-omni")
+    d["spec"]["model"] = model
+    d["spec"]["heartbeat"] = HEARTBEAT
+    return d
+
+
+@pytest.fixture(scope="module")
+def fleet_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
+    """The fleet's master and stage pods, started (not waited for): the fleet fixture waits."""
+    tmp = tmp_path_factory.mktemp("qwen3-fleet")
+    f = Fleet(tmp, doc(tiny_qwen3_omni))
+    f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    t = time.monotonic()
+    try:
+        f.start_master()
+        for s in STAGES:
+            f.start_pod(f"{s['name']}-0", s["name"], python=own_device_lock(omni_python, tmp / s["name"]))
+        yield f, t
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(launched, request):
+    _, (f, t) = launched
+    try:
+        f.wait_ready(timeout=2000)
+    except BaseException:
+        print(f.logs()[-30000:])
+        raise
+    report(request.config, "vllm-omni-qwen3", f"fleet of {len(STAGES)} vLLM-Omni stage engines (a pod each) ready "
+           f"within {time.monotonic() - t:.1f}s of its start, beside the oracle")
+    return f
+
+
+def test_vllm_omni_runs_a_tiny_qwen3_omni_on_the_cpu(oracle, request):
+    first, second = oracle
     assert len(first["thinker_token_ids"]) == SAMPLING[0]["max_tokens"], first
     assert first["thinker_hidden_shape"][0] > 0 and first["sample_rate"] == 24000, first
-    audio = [array("f", (tmp_path / f"audio.{i}.f32").read_bytes()) for i in (0, 1)]
+    audio = [one["audio"] for one in oracle]
     assert len(audio[0]) == first["audio_samples"] > 0 and all(map(math.isfinite, audio[0])), first
     assert max(map(abs, audio[0])) > 0, "silence"
     assert second["thinker_token_ids"] == first["thinker_token_ids"], (first, second)
     assert len(audio[1]) == len(audio[0]), (first, second)
     same = next((i for i, (x, y) in enumerate(zip(*audio)) if x != y), len(audio[0]))
-    report(request.config, "vllm-omni-qwen3", f"vLLM-Omni's Omni on a tiny Qwen3-Omni (3 stages, CPU): engine "
-           f"start {result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s; thinker tokens "
-           f"{first['thinker_token_ids']} twice, {first['audio_samples']} audio samples each, the same for the "
-           f"first {same}")
+    report(request.config, "vllm-omni-qwen3", f"vLLM-Omni's Omni on a tiny Qwen3-Omni (3 stages, CPU): thinker "
+           f"tokens {first['thinker_token_ids']} twice, {first['audio_samples']} audio samples each, the same for "
+           f"the first {same}")
+
+
+def test_qwen3_omni_through_omnifleet_matches_vllm_omnis_own_engine(fleet, oracle, request):
+    """The oracle's two requests, in its order, as completions of its prompt tokens (the chat template's) with
+    `modalities: ["text", "audio"]`: the audio chunk comes back as it left code2wav (float32 samples)."""
+    for i, want in enumerate(oracle):
+        t = time.monotonic()
+        status, body = fleet.http("POST", "/v1/completions", {
+            "model": "qwen3-omni", "prompt": want["prompt_token_ids"], "return_token_ids": True,
+            "modalities": ["text", "audio"]}, timeout=600)
+        took = time.monotonic() - t
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["token_ids"] == want["thinker_token_ids"], (i, choice["token_ids"], want)
+        [chunk] = [o["data"] for o in choice.get("omni", []) if o["type"] == "audio"]
+        assert chunk["audio"]["dtype"] == "float32", chunk["audio"]
+        got = array("f", base64.b64decode(chunk["audio"]["data"]))
+        assert len(got) == len(want["audio"]) == want["audio_samples"], (i, len(got), len(want["audio"]))
+        peak = max(abs(x) for x in want["audio"])
+        worst = max(abs(a - b) for a, b in zip(got, want["audio"]))
+        # Separate processes of the same build: as for Qwen2.5-Omni, equal within 1% of the peak.
+        assert worst <= 1e-2 * peak, f"request {i}: audio differs from the oracle's by up to {worst} (peak {peak})"
+        report(request.config, "vllm-omni-qwen3", f"request {i} through omnifleet (3 stage pods): {took:.2f}s; "
+               f"thinker tokens {choice['token_ids']}, {len(got)} float32 samples (peak {peak:.3g}; largest "
+               f"difference from vLLM-Omni's own engine: {worst:.3g})")

@@ -128,6 +128,12 @@ class VllmOmniEngine(Engine):
         from vllm_omni.config.pipeline_registry import register_pipeline, resolve_pipeline_config
 
         pipeline = resolve_pipeline_config(self.spec.pipeline)
+        if pipeline is None:  # a resolver that picks its variant from the model's config (Qwen3-Omni's)
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=bool(
+                self.stage.engine_args.get("trust_remote_code")))
+            pipeline = resolve_pipeline_config(self.spec.pipeline, hf_config)
         if pipeline is None:
             raise EngineStartError(f"stage {name!r}: vllmOmni.pipeline {self.spec.pipeline!r} is not a pipeline "
                                    "of this vLLM-Omni")
@@ -321,12 +327,37 @@ class VllmOmniEngine(Engine):
                 request_id=rid, prompt_token_ids=prompt_ids, output_token_ids=out_ids,
                 all_token_ids=prompt_ids + out_ids,
                 status=types.SimpleNamespace(name=_FINISH_STATUS.get(finish, "")))
-            payload = self.upstream_builder(None, extra, request)
+            # The builder's transfer manager stands for the upstream stage's; what builders read of it is the
+            # model config (Qwen3-Omni's, the thinker layer the talker takes), the same checkpoint's as here.
+            config = self.omni.engine.stage_vllm_configs[0].model_config
+            manager = types.SimpleNamespace(model_config=config, _get_model_config=lambda: config)
+            payload = self.upstream_builder(manager, extra, request)
             if payload is None:
                 raise BadInput(f"stage {self.stage.name!r}: the upstream payload builder made no payload "
                                "(see the stage log)")
             prompt["additional_information"] = payload
+            # As there, only for a stage that waits for its upstream's full payload.
+            if isinstance(payload, dict) and getattr(self.pipeline_stage, "requires_full_payload_input", False):
+                self._deliver(prompt, payload)
         return prompt
+
+    def _deliver(self, prompt: dict[str, Any], payload: dict[str, Any]) -> None:
+        """What vLLM-Omni's scheduler does to a downstream request when its connector delivers the upstream
+        stage's full payload (`OmniSchedulingCoordinator.update_request_metadata`), done here before the
+        request is sent: a prompt length the payload names replaces the placeholder's; a generation stage's
+        prompt becomes the payload's codec codes (Qwen3-Omni's code2wav reads its codes from its prompt)."""
+        from vllm_omni.core.sched.omni_scheduling_coordinator import OmniSchedulingCoordinator
+        from vllm_omni.distributed.omni_connectors.model_runner.omni_connector_payload_transport import (
+            _OmniConnectorPayloadTransportMixin as Transport)
+
+        meta = Transport._extract_scheduling_metadata(payload)
+        length = meta.get("next_stage_prompt_len")
+        if isinstance(length, int) and length > 0:
+            prompt["prompt_token_ids"] = [0] * length
+        if self.spec.worker_type != "ar":
+            codes = OmniSchedulingCoordinator._flatten_prompt_token_ids(meta.get("code_predictor_codes"))
+            if codes:
+                prompt["prompt_token_ids"] = codes
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         params = self.sampling_params(request.sampling_params)
@@ -374,11 +405,17 @@ class VllmOmniEngine(Engine):
         ro = getattr(out, "request_output", None)
         if completion is None and ro is not None and getattr(ro, "outputs", None):
             completion = ro.outputs[0]
+        from vllm_omni.data_entry_keys import flatten_payload
+
         tensors: dict[str, Any] = {}
         for holder in (completion, ro, out):
             mm = getattr(holder, "multimodal_output", None) if holder is not None else None
-            mm = getattr(mm, "tensors", mm)
+            if hasattr(mm, "tensors") and hasattr(mm, "metadata"):
+                mm = {**mm.metadata, **mm.tensors}
             if isinstance(mm, dict):
+                # vLLM-Omni's output processor nests the model runner's dotted keys (`hidden_states.layer_1`
+                # under `hidden_states.layers`); payload builders read them flat, as the runner emits them.
+                mm = flatten_payload(mm)
                 for k, v in mm.items():
                     if is_tensor_like(v) and k not in tensors:
                         tensors[k] = v
