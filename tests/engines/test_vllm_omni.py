@@ -6,9 +6,10 @@ cannot be built), behind omnifleet's master. The oracle is vLLM-Omni's own
 single-process `Omni` engine running the whole pipeline on the same checkpoint,
 prompt, deploy settings and seeds (tests/engines/vllm_omni_oracle.py). Through
 omnifleet the first request must give the oracle's thinker tokens and its audio
-(float32 samples, equal within float tolerance and as 16-bit PCM). The thinker stage alone (vllm_omni_stage_probe.py) must
-put its hidden states on the wire, equal to those the oracle's thinker output
-carries: they are what the talker is made of.
+(float32 samples, equal within float tolerance and as 16-bit PCM). The thinker
+stage alone (vllm_omni_stage_probe.py) must put its hidden states on the wire,
+equal to those the oracle's thinker output carries: they are what the talker is
+made of.
 
 Start-up dominates (minutes per engine on two cores: each engine imports vLLM in three
 processes one after another), so the oracle, the fleet and the thinker probe start at once and
@@ -52,7 +53,7 @@ STAGES = [
     dict(name="thinker", stageId=0, modelStage="thinker", workerType="ar", final="text", processor=None,
          engine={**ENGINE, "mm_processor_cache_gb": 0},
          sampling={"max_tokens": 6, "temperature": 0.0, "seed": 42, "repetition_penalty": 1.1}),
-    dict(name="talker", stageId=1, modelStage="talker", workerType="ar", final="none",
+    dict(name="talker", stageId=1, modelStage="talker", workerType="ar", final=None,
          processor=f"{PROC}.thinker2talker_token_only", engine=ENGINE,
          sampling={"max_tokens": 16, "temperature": 0.9, "top_p": 0.8, "top_k": 40, "seed": 42,
                    "repetition_penalty": 1.05, "stop_token_ids": [8294]}),
@@ -110,7 +111,8 @@ def oracle_run(omni_python, tiny_omni, tmp_path_factory):
     """vLLM-Omni's own engine on the requests, started (not waited for): the oracle fixture waits."""
     tmp = tmp_path_factory.mktemp("oracle")
     deploy = {"async_chunk": False,
-              "stages": [{"stage_id": s["stageId"], "devices": "0", **s["engine"], "default_sampling_params": s["sampling"]}
+              "stages": [{"stage_id": s["stageId"], "devices": "0", **s["engine"],
+                          "default_sampling_params": s["sampling"]}
                          for s in STAGES]}
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
     # In the fleet's order: its first request is the text one, its second the one with media.
@@ -137,55 +139,70 @@ def oracle(launched, request) -> dict:
     return result["requests"]
 
 
-def doc(model: str) -> dict:
-    stages = []
-    for s in STAGES:
+def omni_pipeline(name: str, model: str, key: str, stages: list[dict]) -> dict:
+    """An OmniPipeline of `vllm-omni` stages in a chain, stages of vLLM-Omni's pipeline `key`: each of `stages`
+    names its name, stageId, modelStage, workerType, engine args, sampling, final output and input processor."""
+    docs: list[dict] = []
+    for s in stages:
         stage = {"name": s["name"], "type": "vllm-omni", "gpus": 0, "engineArgs": s["engine"],
                  "samplingParams": s["sampling"], "engineStartTimeoutSeconds": 1500,
-                 "vllmOmni": {"pipeline": "qwen2_5_omni", "stageId": s["stageId"], "modelStage": s["modelStage"],
+                 "vllmOmni": {"pipeline": key, "stageId": s["stageId"], "modelStage": s["modelStage"],
                               "workerType": s["workerType"]}}
-        if s["processor"]:
+        if s.get("processor"):
             stage["vllmOmni"]["inputProcessor"] = s["processor"]
-        if s["final"] != "none":
+        if s.get("final"):
             stage["finalOutput"] = s["final"]
-        if stages:
-            stage["inputs"] = [stages[-1]["name"]]
+        if docs:
+            stage["inputs"] = [docs[-1]["name"]]
             stage["inputMode"] = "whole"
-        stages.append(stage)
-    d = pipeline(*stages, name="qwen-omni")
+        docs.append(stage)
+    d = pipeline(*docs, name=name)
     d["spec"]["model"] = model
     d["spec"]["heartbeat"] = HEARTBEAT
     return d
 
 
-@pytest.fixture(scope="module")
-def fleet_run(omni_python, tiny_omni, tmp_path_factory):
-    """The fleet's master and stage pods, started (not waited for): the fleet fixture waits."""
-    tmp = tmp_path_factory.mktemp("omni-fleet")
-    f = Fleet(tmp, doc(tiny_omni))
+def doc(model: str) -> dict:
+    return omni_pipeline("qwen-omni", model, "qwen2_5_omni", STAGES)
+
+
+def start_fleet(tmp: Path, d: dict, omni_python: str):
+    """A module fixture's body: the master and a pod per stage, started (not waited for; `ready` waits), each
+    pod with vLLM-Omni's python and a device lock of its own."""
+    f = Fleet(tmp, d)
     f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     t = time.monotonic()
     try:
         f.start_master()
-        for s in STAGES:
+        for s in d["spec"]["stages"]:
             f.start_pod(f"{s['name']}-0", s["name"], python=own_device_lock(omni_python, tmp / s["name"]))
         yield f, t
     finally:
         f.stop()
 
 
-@pytest.fixture(scope="module")
-def fleet(launched, request):
+def ready(launched, request, tag: str) -> Fleet:
     _, (f, t) = launched
     try:
         f.wait_ready(timeout=2000)
     except BaseException:
         print(f.logs()[-30000:])
         raise
-    report(request.config, "vllm-omni", f"fleet of {len(STAGES)} vLLM-Omni stage engines (one pod each) ready "
+    report(request.config, tag, f"fleet of {len(f.pod_stages)} vLLM-Omni stage engines (one pod each) ready "
            f"within {time.monotonic() - t:.1f}s of its start (checked once the oracle was done; started beside "
-           f"it and the probe on {len(os.sched_getaffinity(0))} cores)")
+           f"it on {len(os.sched_getaffinity(0))} cores)")
     return f
+
+
+@pytest.fixture(scope="module")
+def fleet_run(omni_python, tiny_omni, tmp_path_factory):
+    """The fleet's master and stage pods, started (not waited for): the fleet fixture waits."""
+    yield from start_fleet(tmp_path_factory.mktemp("omni-fleet"), doc(tiny_omni), omni_python)
+
+
+@pytest.fixture(scope="module")
+def fleet(launched, request):
+    return ready(launched, request, "vllm-omni")
 
 
 def chat(fleet: Fleet) -> dict:

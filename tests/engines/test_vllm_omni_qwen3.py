@@ -6,8 +6,9 @@ the CPU through omnifleet's platform plugin (plugins/omnifleet-vllm-omni-cpu), o
 tests/engines/tiny_qwen3_omni.py makes, with vLLM-Omni's Qwen3-Omni deploy settings made CPU-sized (float32 but
 the talker, eager, no CUDA graphs, the MoE backend vLLM picks). The fleet is the same three stages as
 `vllm-omni` stages, a pod process each (vLLM-Omni's environment, a device lock of its own as a pod's /tmp
-gives it), behind omnifleet's master, started beside the oracle. Both take the same two requests in the same
-order; the fleet's thinker tokens and audio must be the oracle's.
+gives it), behind omnifleet's master, started beside the oracle. Both take the same three requests in the same
+order: a text request twice, then a chat message with an image and audio (which the master decodes and the
+thinker's engine takes as multimodal data); the fleet's thinker tokens and audio must be the oracle's.
 
 The same request twice does not give the same audio: the talker draws its first codebook with the request's
 seed (the deploy file's), but its code predictor draws the other codebooks from the engine's global generator,
@@ -28,11 +29,10 @@ from array import array
 import pytest
 import yaml
 
-from fleet_harness import Fleet, pipeline  # noqa: E402
-
 from ..conftest import time_limit  # noqa: E402
-from .conftest import HEARTBEAT, HERE, end, report, run_in_group  # noqa: E402
-from .test_vllm_omni import _env, omni_python, own_device_lock  # noqa: E402,F401 (omni_python: a fixture)
+from .conftest import HERE, end, media, report, run_in_group  # noqa: E402
+# omni_python: a fixture (vLLM-Omni's python)
+from .test_vllm_omni import _env, omni_pipeline, omni_python, ready, start_fleet  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
 TEST_TIMEOUT_S = 2400  # the first test waits for the oracle, which starts beside the fleet on two cores
@@ -50,11 +50,12 @@ SAMPLING = [
 # The talker in bfloat16: vLLM-Omni's Qwen3-Omni talker makes its input rows in bfloat16 whatever the model's
 # dtype (float32 fails: "mat1 and mat2 must have the same dtype").
 STAGES = [
-    dict(name="thinker", modelStage="thinker", workerType="ar", final="text",
+    dict(name="thinker", stageId=0, modelStage="thinker", workerType="ar", final="text", sampling=SAMPLING[0],
          engine={**ENGINE, "mm_processor_cache_gb": 0}),
-    dict(name="talker", modelStage="talker", workerType="ar", final=None, engine={**ENGINE, "dtype": "bfloat16"}),
-    dict(name="code2wav", modelStage="code2wav", workerType="generation", final="audio",
-         engine={**ENGINE, "enable_chunked_prefill": False, "async_scheduling": False}),
+    dict(name="talker", stageId=1, modelStage="talker", workerType="ar", final=None, sampling=SAMPLING[1],
+         engine={**ENGINE, "dtype": "bfloat16"}),
+    dict(name="code2wav", stageId=2, modelStage="code2wav", workerType="generation", final="audio",
+         sampling=SAMPLING[2], engine={**ENGINE, "enable_chunked_prefill": False, "async_scheduling": False}),
 ]
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -81,7 +82,9 @@ def oracle_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
                                                 "default_sampling_params": SAMPLING[i]}
                                                for i, s in enumerate(STAGES)]}
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
-    (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, MESSAGES], "sampling_params": SAMPLING}))
+    # In the fleet's order: the text request twice, then the one with an image and audio.
+    (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, MESSAGES, media()[1]],
+                                                  "sampling_params": SAMPLING}))
     proc = run_in_group([omni_python, str(HERE / "vllm_omni_oracle.py"), tiny_qwen3_omni, str(tmp / "deploy.yaml"),
                          str(tmp / "request.json"), str(tmp)], tmp, tmp / "omni.log", _env())
     yield proc, tmp, time.monotonic()
@@ -103,58 +106,25 @@ def oracle(launched, request) -> list[dict]:
 
 
 def doc(model: str) -> dict:
-    stages = []
-    for i, s in enumerate(STAGES):
-        stage = {"name": s["name"], "type": "vllm-omni", "gpus": 0, "engineArgs": s["engine"],
-                 "samplingParams": SAMPLING[i], "engineStartTimeoutSeconds": 1500,
-                 "vllmOmni": {"pipeline": "qwen3_omni_moe", "stageId": i, "modelStage": s["modelStage"],
-                              "workerType": s["workerType"]}}
-        if s["final"]:
-            stage["finalOutput"] = s["final"]
-        if stages:
-            stage["inputs"] = [stages[-1]["name"]]
-            stage["inputMode"] = "whole"
-        stages.append(stage)
-    d = pipeline(*stages, name="qwen3-omni")
-    d["spec"]["model"] = model
-    d["spec"]["heartbeat"] = HEARTBEAT
-    return d
+    return omni_pipeline("qwen3-omni", model, "qwen3_omni_moe", STAGES)
 
 
 @pytest.fixture(scope="module")
 def fleet_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
     """The fleet's master and stage pods, started (not waited for): the fleet fixture waits."""
-    tmp = tmp_path_factory.mktemp("qwen3-fleet")
-    f = Fleet(tmp, doc(tiny_qwen3_omni))
-    f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    t = time.monotonic()
-    try:
-        f.start_master()
-        for s in STAGES:
-            f.start_pod(f"{s['name']}-0", s["name"], python=own_device_lock(omni_python, tmp / s["name"]))
-        yield f, t
-    finally:
-        f.stop()
+    yield from start_fleet(tmp_path_factory.mktemp("qwen3-fleet"), doc(tiny_qwen3_omni), omni_python)
 
 
 @pytest.fixture(scope="module")
 def fleet(launched, request):
-    _, (f, t) = launched
-    try:
-        f.wait_ready(timeout=2000)
-    except BaseException:
-        print(f.logs()[-30000:])
-        raise
-    report(request.config, "vllm-omni-qwen3", f"fleet of {len(STAGES)} vLLM-Omni stage engines (a pod each) ready "
-           f"within {time.monotonic() - t:.1f}s of its start, beside the oracle")
-    return f
+    return ready(launched, request, "vllm-omni-qwen3")
 
 
 def test_vllm_omni_runs_a_tiny_qwen3_omni_on_the_cpu(oracle, request):
-    first, second = oracle
+    first, second, _ = oracle
     assert len(first["thinker_token_ids"]) == SAMPLING[0]["max_tokens"], first
     assert first["thinker_hidden_shape"][0] > 0 and first["sample_rate"] == 24000, first
-    audio = [one["audio"] for one in oracle]
+    audio = [one["audio"] for one in oracle[:2]]
     assert len(audio[0]) == first["audio_samples"] > 0 and all(map(math.isfinite, audio[0])), first
     assert max(map(abs, audio[0])) > 0, "silence"
     assert second["thinker_token_ids"] == first["thinker_token_ids"], (first, second)
@@ -168,7 +138,7 @@ def test_vllm_omni_runs_a_tiny_qwen3_omni_on_the_cpu(oracle, request):
 def test_qwen3_omni_through_omnifleet_matches_vllm_omnis_own_engine(fleet, oracle, request):
     """The oracle's two requests, in its order, as completions of its prompt tokens (the chat template's) with
     `modalities: ["text", "audio"]`: the audio chunk comes back as it left code2wav (float32 samples)."""
-    for i, want in enumerate(oracle):
+    for i, want in enumerate(oracle[:2]):
         t = time.monotonic()
         status, body = fleet.http("POST", "/v1/completions", {
             "model": "qwen3-omni", "prompt": want["prompt_token_ids"], "return_token_ids": True,
@@ -188,3 +158,26 @@ def test_qwen3_omni_through_omnifleet_matches_vllm_omnis_own_engine(fleet, oracl
         report(request.config, "vllm-omni-qwen3", f"request {i} through omnifleet (3 stage pods): {took:.2f}s; "
                f"thinker tokens {choice['token_ids']}, {len(got)} float32 samples (peak {peak:.3g}; largest "
                f"difference from vLLM-Omni's own engine: {worst:.3g})")
+
+
+def test_qwen3_omni_image_and_audio_in_text_and_audio_out_match_vllm_omnis_own_engine(fleet, oracle, request):
+    """Hear and see, then speak: the oracle's third request, a chat message with a PNG, a WAV and a question,
+    decoded by the master and handed to the thinker's engine as multimodal data. Its thinker tokens, prompt
+    length (media expanded) and audio length are vLLM-Omni's own engine's."""
+    want = oracle[2]
+    t = time.monotonic()
+    status, body = fleet.http("POST", "/v1/chat/completions", {
+        "model": "qwen3-omni", "messages": media()[0], "return_token_ids": True,
+        "modalities": ["text", "audio"], "audio": {"format": "pcm16"}}, timeout=600)
+    took = time.monotonic() - t
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == want["thinker_token_ids"], (choice["token_ids"], want)
+    assert body["usage"]["prompt_tokens"] == len(want["thinker_prompt_token_ids"]), body["usage"]
+    assert len(want["thinker_prompt_token_ids"]) > len(want["prompt_token_ids"]) + 10, "the media were not expanded"
+    # 16-bit audio, and this tiny model's is far below one 16-bit step: its length, which the talker's codes decide.
+    got = array("h", base64.b64decode(choice["message"]["audio"]["data"]))
+    assert want["audio_samples"] > 0 and len(got) == want["audio_samples"], (len(got), want["audio_samples"])
+    report(request.config, "vllm-omni-qwen3", f"image + audio + text in, text and audio out through omnifleet: "
+           f"{took:.2f}s; prompt {body['usage']['prompt_tokens']} tokens, thinker tokens {choice['token_ids']}, "
+           f"{len(got)} samples of audio, as vLLM-Omni's own engine's")

@@ -6,10 +6,10 @@ Run with the python that will load it: vLLM-Omni's environment
 (devsetup.vllm_omni_env) for the vllm-omni tests, the main one for stock
 vLLM's thinker (test_llm_media); the checkpoint is written by that
 environment's transformers, so its config reads back exactly. Its multimodal
-processor is saved when torchvision loads there (both environments have it). Location: ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/models/
-tiny-qwen2.5-omni-<key>/, <key> hashing the recipe below and the transformers
-version; complete when its stamp exists (built in a temporary folder, renamed
-into place).
+processor is saved when torchvision loads there (both environments have it).
+Location: ${OMNIFLEET_CACHE:-~/.cache/omnifleet}/models/tiny-qwen2.5-omni-<key>/,
+<key> hashing the recipe below and the transformers version; complete when its
+stamp exists (built in a temporary folder, renamed into place: `cached`).
 
 What vLLM-Omni needs beyond transformers' defaults: a byte-level tokenizer that
 keeps Qwen's special tokens at their real ids (the thinker's config names them),
