@@ -98,7 +98,9 @@ GOALS: tuple[Goal, ...] = (
          "4.87x, a plain-function hop of 591 us and 899 us of runtime CPU; the ratio fell with the machine's raw "
          "round trip, not with the code. At 2533522 on the same machine: 5.28x, a hop of 550 us and 848 us of "
          "runtime CPU against a raw round trip of 104 us (coroutine stages 4.49x); at ced3bdb 5.18x, a hop of 590 us "
-         "and 894 us of runtime CPU against 114 us (coroutine stages 4.38x)"),
+         "and 894 us of runtime CPU against 114 us (coroutine stages 4.38x); at c5c9e4b (no change on the data "
+         "path) 4.50x, a hop of 698 us and 1012 us against a raw round trip of 155 us on a noisier run of the "
+         "machine (coroutine stages 3.95x)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -139,7 +141,10 @@ GOALS: tuple[Goal, ...] = (
          "meanwhile): the same work, each call dearer after a wait; a fixed piece of Python work in a process of "
          "its own cost 1.14x after sleeping as long as a 256 MiB request (the report's control row). At ced3bdb: "
          "2.79x, the held control 1.09x, held over not held 2.57x; 1 KiB held 32 ms 1741 calls at 2.03 us, 64 MiB "
-         "1792 at 2.04 us, 1 MiB not held 1354 at 1.69 us; the fixed piece of Python work 1.07x after sleeping"),
+         "1792 at 2.04 us, 1 MiB not held 1354 at 1.69 us; the fixed piece of Python work 1.07x after sleeping. "
+         "At c5c9e4b (no change on the data path): 3.66x, the held control 1.27x, held over not held 2.88x; 1 KiB "
+         "held 46 ms 1748 calls at 4.04 us, 64 MiB 1802 at 3.27 us, 1 MiB not held 1380 at 2.15 us; the fixed "
+         "piece of Python work 1.30x after sleeping: the same calls, dearer on a slower run of the machine"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -240,7 +245,8 @@ GOALS: tuple[Goal, ...] = (
          "1.41-2.02x; with one thinker token 1.78x); at 2533522, whose master turns float audio into PCM in numpy "
          "(0f4014b; per sample in Python before; the data-plane report's pieces table: 10.8 us a 10 ms chunk), "
          "10.54 ms and 6.41 ms (1.59x, rounds 1.33-2.00x; with one thinker token 1.72x); at ced3bdb 10.34 ms and "
-         "6.43 ms (1.63x, rounds 1.54-1.97x; with one thinker token 1.82x). The runs "
+         "6.43 ms (1.63x, rounds 1.54-1.97x; with one thinker token 1.82x); at c5c9e4b (no change on its path) "
+         "14.84 ms and 8.37 ms (1.73x, rounds 1.49-1.93x; with one thinker token 1.79x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
