@@ -907,8 +907,8 @@ class StageWorker:
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
             self._transfer(job, route.stage, "tcp", wire.frames_nbytes(frames))
             await self._send_peer(route, frames)
-        if final:
-            frames = wire.encode(wire.Output(msg.request_id, msg.attempt, self.stage.name, seq, host))
+        if final and (shown := self.engine.for_master(host)) is not None:
+            frames = wire.encode(wire.Output(msg.request_id, msg.attempt, self.stage.name, seq, shown))
             self.bytes["master"] += wire.frames_nbytes(frames)
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route="master", path="tcp")
             self._transfer(job, "master", "tcp", wire.frames_nbytes(frames))

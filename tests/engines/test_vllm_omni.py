@@ -141,7 +141,8 @@ def oracle(launched, request) -> dict:
 
 def omni_pipeline(name: str, model: str, key: str, stages: list[dict]) -> dict:
     """An OmniPipeline of `vllm-omni` stages in a chain, stages of vLLM-Omni's pipeline `key`: each of `stages`
-    names its name, stageId, modelStage, workerType, engine args, sampling, final output and input processor."""
+    names its name, stageId, modelStage, workerType, engine args, sampling, final output and input processor
+    (and, in async-chunk mode, `async` and its `stage_config`)."""
     docs: list[dict] = []
     for s in stages:
         stage = {"name": s["name"], "type": "vllm-omni", "gpus": 0, "engineArgs": s["engine"],
@@ -152,9 +153,11 @@ def omni_pipeline(name: str, model: str, key: str, stages: list[dict]) -> dict:
             stage["vllmOmni"]["inputProcessor"] = s["processor"]
         if s.get("final"):
             stage["finalOutput"] = s["final"]
+        if s.get("async"):  # vLLM-Omni's async-chunk mode, its stage config (connector settings) as imported
+            stage["vllmOmni"].update(asyncChunk=True, stageConfig=s.get("stage_config") or {})
         if docs:
             stage["inputs"] = [docs[-1]["name"]]
-            stage["inputMode"] = "whole"
+            stage["inputMode"] = "stream" if s.get("async") else "whole"
         docs.append(stage)
     d = pipeline(*docs, name=name)
     d["spec"]["model"] = model
@@ -166,10 +169,11 @@ def doc(model: str) -> dict:
     return omni_pipeline("qwen-omni", model, "qwen2_5_omni", STAGES)
 
 
-def start_fleet(tmp: Path, d: dict, omni_python: str):
+def start_fleet(tmp: Path, d: dict, omni_python: str, one_session: bool = False):
     """A module fixture's body: the master and a pod per stage, started (not waited for; `ready` waits), each
-    pod with vLLM-Omni's python and a device lock of its own."""
+    pod with vLLM-Omni's python and a device lock of its own; one_session: all in the test's session."""
     f = Fleet(tmp, d)
+    f.own_sessions = not one_session
     f.env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     t = time.monotonic()
     try:

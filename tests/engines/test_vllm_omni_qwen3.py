@@ -25,6 +25,7 @@ import math
 import subprocess
 import time
 from array import array
+from pathlib import Path
 
 import pytest
 import yaml
@@ -74,25 +75,20 @@ def tiny_qwen3_omni(omni_python) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-@pytest.fixture(scope="module")
-def oracle_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
-    """vLLM-Omni's own engine on the two requests, started (not waited for): the oracle fixture waits."""
-    tmp = tmp_path_factory.mktemp("oracle")
-    deploy = {"async_chunk": False, "stages": [{"stage_id": i, "devices": "0", **s["engine"],
-                                                "default_sampling_params": SAMPLING[i]}
-                                               for i, s in enumerate(STAGES)]}
+def run_oracle(tmp: Path, omni_python: str, model: str, deploy: dict):
+    """A module's oracle_run body: vLLM-Omni's own engine with `deploy` on the module's three requests, in the
+    fleet's order (the text request twice, then the one with an image and audio), started (not waited for)."""
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
-    # In the fleet's order: the text request twice, then the one with an image and audio.
     (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, MESSAGES, media()[1]],
                                                   "sampling_params": SAMPLING}))
-    proc = run_in_group([omni_python, str(HERE / "vllm_omni_oracle.py"), tiny_qwen3_omni, str(tmp / "deploy.yaml"),
+    proc = run_in_group([omni_python, str(HERE / "vllm_omni_oracle.py"), model, str(tmp / "deploy.yaml"),
                          str(tmp / "request.json"), str(tmp)], tmp, tmp / "omni.log", _env())
     yield proc, tmp, time.monotonic()
     end(proc, None)
 
 
-@pytest.fixture(scope="module")
-def oracle(launched, request) -> list[dict]:
+def oracle_requests(launched, request, tag: str, what: str) -> list[dict]:
+    """A module's oracle fixture body: waits for the oracle and reads its requests' results and audio."""
     (proc, tmp, t), _ = launched
     end(proc, RUN_TIMEOUT_S)  # the oracle ends with os._exit; the group's engine processes go with it
     log = (tmp / "omni.log").read_text(errors="replace")
@@ -100,9 +96,22 @@ def oracle(launched, request) -> list[dict]:
     result = json.loads((tmp / "result.json").read_text())
     for i, one in enumerate(result["requests"]):
         one["audio"] = array("f", (tmp / f"audio.{i}.f32").read_bytes())
-    report(request.config, "vllm-omni-qwen3", f"oracle (vLLM-Omni's Omni, 3 stages, beside the fleet): engine "
-           f"start {result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
+    report(request.config, tag, f"oracle (vLLM-Omni's Omni, {what}, beside the fleet): engine start "
+           f"{result['start_s']:.1f}s, total {time.monotonic() - t:.1f}s")
     return result["requests"]
+
+
+@pytest.fixture(scope="module")
+def oracle_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
+    """vLLM-Omni's own engine on the three requests, started (not waited for): the oracle fixture waits."""
+    yield from run_oracle(tmp_path_factory.mktemp("oracle"), omni_python, tiny_qwen3_omni, {
+        "async_chunk": False, "stages": [{"stage_id": i, "devices": "0", **s["engine"],
+                                          "default_sampling_params": SAMPLING[i]} for i, s in enumerate(STAGES)]})
+
+
+@pytest.fixture(scope="module")
+def oracle(launched, request) -> list[dict]:
+    return oracle_requests(launched, request, "vllm-omni-qwen3", "3 stages")
 
 
 def doc(model: str) -> dict:

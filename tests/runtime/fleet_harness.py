@@ -105,13 +105,18 @@ def dashboard_exprs() -> list[str]:
 
 
 class Proc:
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path, python: str | None = None):
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path, python: str | None = None,
+                 own_session: bool = True):
+        """own_session False: a process group of its own in the test's session (and so the test's scheduling
+        autogroup: the kernel shares CPU between autogroups first, so a process that spins in one starves
+        another's on the same core; within one group, its sched_yield lets the other run)."""
         self.name, self.args, self.log_path = name, args, log_path
         self.killed = False
         self.log = open(log_path, "ab")
         self.popen = subprocess.Popen(
             [python or sys.executable, "-m", "omnifleet_runtime", *args], env=env, cwd=ROOT,
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=self.log, stderr=subprocess.STDOUT,
+            **({"start_new_session": True} if own_session else {"process_group": 0}),
             preexec_fn=parent_death_preexec(signal.SIGTERM),  # a killed test run leaves no fleet behind
         )
 
@@ -150,6 +155,7 @@ class Fleet:
         self.health_ports: dict[str, int] = {}
         self.metrics_ports: dict[str, int] = {}
         self.pod_stages: dict[str, list[str]] = {}
+        self.own_sessions = True  # each process a session of its own, as each pod is its own (see Proc)
         # The pipeline's keys, as the operator's Secret gives them to pods: every process here uses CurveZMQ.
         self.keys_dir = write_key_files(tmp / "keys", pipeline_keys())
         self.keys = Keys.load(self.keys_dir)
@@ -178,7 +184,7 @@ class Fleet:
         return self._start(pod, args, {**self.env, "OMNIFLEET_POD_NAME": pod}, python)
 
     def _start(self, name: str, args: list[str], env: dict[str, str], python: str | None = None) -> Proc:
-        proc = Proc(name, args, env, self.dir / f"{name}.log", python)
+        proc = Proc(name, args, env, self.dir / f"{name}.log", python, self.own_sessions)
         self.procs[name] = proc
         return proc
 

@@ -320,11 +320,6 @@ def import_deploy(path: str | Path, pipeline: str | None = None, name: str | Non
         omni_stages.append(_stage(s, key, names, final, reps, devs, groups, root, deploy, result.warnings))
     if result.refusals:
         return result
-    streaming = [s["name"] for s in omni_stages if (s.get("vllmOmni") or {}).get("asyncChunk")]
-    if streaming:
-        warn(f"async_chunk: stages {', '.join(streaming)} run in vLLM-Omni's async-chunk mode, which this "
-             f"version's vllm-omni stages refuse at start; --no-async-chunk imports the pipeline in its "
-             f"whole-output mode (vLLM-Omni's async_chunk: false), which they run")
 
     spec: dict[str, Any] = {"stages": omni_stages}
     if model:

@@ -68,6 +68,11 @@ class Engine(abc.ABC):
         Called once for the IPC routes and once for all others; the default: the value as it is."""
         return value
 
+    def for_master(self, value: Any) -> Any:
+        """What the master gets of a final output chunk (the routes get all of it): the default, all; None: the
+        chunk is for the routes only (a vllm-omni stage's connector chunks, which no client reads)."""
+        return value
+
     def host_buffers(self) -> Callable[[int], Any] | None:
         """A maker of n-byte writable buffers for the large inputs this stage reassembles, when the engine has
         one that suits it better than ordinary memory (the torch engine on a GPU: pinned host memory, which

@@ -38,10 +38,13 @@ output, as arrays; an AR stage's hidden states as `hidden`, the prompt's and
 every generated token's but the last); a stage whose final output is audio also
 carries `audio` (float32 samples) and `sample_rate`.
 
-Not yet: `async_chunk` streaming (refused at start: `omnifleet import
-vllm-omni FILE --no-async-chunk` imports vLLM-Omni's whole-output mode), fan-in
-from several upstream stages (refused at start; vLLM-Omni 0.30's registry has
-none), CFG companions' KV hand-over.
+Async-chunk mode (`vllmOmni.asyncChunk`, edges `inputMode: stream`): the stage
+engines stream to each other as in vLLM-Omni's own pipeline, their connector
+payloads crossing pods as output chunks (`_generate_chunked`); a final stage's
+text and audio come out as they grow.
+
+Not yet: fan-in from several upstream stages (refused at start; vLLM-Omni
+0.30's registry has none), CFG companions' KV hand-over.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import dataclasses
 import importlib
 import logging
 import tempfile
+import time
 import types
 import uuid
 from pathlib import Path
@@ -58,7 +62,7 @@ from typing import Any, AsyncIterator
 
 from .. import constants as C
 from ..schema import Stage
-from ..wire import Array
+from ..wire import Array, walk
 from .base import BadInput, Engine, EngineRequest, EngineStartError
 from .mm import split_media
 from .tensors import is_tensor_like, to_tensor, to_wire
@@ -71,6 +75,11 @@ DEFAULT_SAMPLE_RATE = 24000
 # Engine args that describe the pipeline's wiring, which the stage's vllmOmni block and vLLM-Omni's
 # registry already fix; the importer copies them into engineArgs for the record.
 _WIRING = {"async_chunk", "session_mode", "inline_diffusion"}
+# Async-chunk mode: the key of an output chunk that carries a connector payload to the next stage; how often
+# the stage polls its engine's connector for the next one, and how long after its engine finished a request.
+ASYNC_CHUNK = "vllm_omni_chunk"
+ASYNC_CHUNK_POLL_S = 0.002
+ASYNC_CHUNK_GRACE_S = 30.0
 _FINISH_STATUS = {"stop": "FINISHED_STOPPED", "length": "FINISHED_LENGTH_CAPPED", "abort": "FINISHED_ABORTED"}
 
 MISSING = (
@@ -100,6 +109,9 @@ class VllmOmniEngine(Engine):
         self.model = ""
         self._dir: tempfile.TemporaryDirectory | None = None
         self._active: dict[str, set[str]] = {}  # our request id -> vLLM-Omni request ids
+        self.async_chunk = bool(self.spec and (self.spec.async_chunk or stage.engine_args.get("async_chunk")))
+        self._conn: Any = None  # async-chunk mode: vLLM-Omni's shared-memory connector to the stage engine
+        self._engine_ids: dict[str, asyncio.Future] = {}  # async-chunk mode: our request id -> the engine's
 
     # ------------------------------------------------------------ lifecycle
 
@@ -108,12 +120,9 @@ class VllmOmniEngine(Engine):
         # What no vLLM-Omni install changes is refused first.
         if self.spec is None:
             raise EngineStartError(f"stage {name!r}: vllmOmni is required for vllm-omni stages")
-        if self.spec.async_chunk or self.stage.engine_args.get("async_chunk"):
-            # Turning the flag off is not enough: async-chunk mode also picks the stages' input processors.
-            raise EngineStartError(
-                f"stage {name!r}: vLLM-Omni's async-chunk streaming (vllmOmni.asyncChunk, "
-                "engineArgs.async_chunk) is not supported by this engine yet; import the deploy file with "
-                "`omnifleet import vllm-omni FILE --no-async-chunk` (vLLM-Omni's whole-output mode)")
+        if self.async_chunk and self.spec.worker_type == "diffusion":
+            raise EngineStartError(f"stage {name!r}: vLLM-Omni's async-chunk mode runs AR and generation stages "
+                                   "here, not diffusion ones (no deploy file of vLLM-Omni 0.30 has one)")
         if len(self.stage.inputs) > 1:
             raise EngineStartError(f"stage {name!r}: a vllm-omni stage takes one upstream stage, "
                                    f"not {len(self.stage.inputs)}")
@@ -143,18 +152,21 @@ class VllmOmniEngine(Engine):
             raise EngineStartError(f"stage {name!r}: vllmOmni.stageId {self.spec.stage_id} is not a stage of "
                                    f"pipeline {self.spec.pipeline!r} (its stages: {sorted(by_id)})")
         self.pipeline_stage = mine
-        if self.stage.inputs and mine.input_sources:
+        # Async-chunk mode: the stage engine makes and takes its chunks itself (its scheduler's connector), so
+        # neither processor runs here; a producer's engine runs its async-chunk payload builder.
+        produces = mine.async_chunk_process_next_stage_input_func if self.async_chunk else None
+        if self.stage.inputs and mine.input_sources and not self.async_chunk:
             upstream = by_id[mine.input_sources[0]]
             if upstream.custom_process_next_stage_input_func:
                 self.upstream_builder = _load(upstream.custom_process_next_stage_input_func)
         processor = self.spec.input_processor or mine.sync_process_input_func or mine.custom_process_input_func
-        if self.stage.inputs and processor:
+        if self.stage.inputs and processor and not self.async_chunk:
             self.input_processor = _load(processor)
         key = f"omnifleet.{self.spec.pipeline}.{self.spec.stage_id}"
         single = dataclasses.replace(
             mine, stage_id=0, input_sources=(), final_output=True,
             final_output_type=mine.final_output_type or ("audio" if mine.engine_output_type == "audio" else "text"),
-            custom_process_input_func=None, custom_process_next_stage_input_func=None,
+            custom_process_input_func=None, custom_process_next_stage_input_func=produces,
             async_chunk_process_next_stage_input_func=None, sync_process_input_func=None,
             **({"requires_full_payload_input": False}
                if "requires_full_payload_input" in {f.name for f in dataclasses.fields(mine)} else {}))
@@ -175,6 +187,7 @@ class VllmOmniEngine(Engine):
         timeout = self.stage.engine_start_timeout_seconds or C.ENGINE_START_TIMEOUT_S
         log.info("stage %s: starting vLLM-Omni stage %s/%d (%s, %s) on %s", name, self.spec.pipeline,
                  self.spec.stage_id, mine.model_stage, self.spec.worker_type, self.model)
+        restore = self._async_engine_config() if self.async_chunk else None
         try:
             # On the event loop's thread, as vLLM's engine is made: AsyncOmni binds its output task to this loop.
             self.omni = AsyncOmni(model=self.model, deploy_config=str(deploy), stage_init_timeout=timeout,
@@ -182,8 +195,51 @@ class VllmOmniEngine(Engine):
         except Exception as e:
             raise EngineStartError(f"stage {name!r}: vLLM-Omni stage engine failed to start: "
                                    f"{type(e).__name__}: {e}") from e
+        finally:
+            if restore is not None:
+                restore()
         # A stage whose vLLM-Omni stage feeds another keeps its per-step payload for it (see _hook_requests).
-        self._hook_requests(max(by_id) if mine.custom_process_next_stage_input_func else None)
+        feeds = mine.custom_process_next_stage_input_func or produces
+        self._hook_requests(max(by_id) if feeds else None)
+
+    def _connector_extra(self) -> dict[str, Any]:
+        """The settings of the stage's incoming connector in its deploy file (Qwen3-Omni's codec chunk sizes,
+        which its talker's async-chunk builder reads from its connector); {} for an entry stage."""
+        sc = self.spec.stage_config or {}
+        connectors = sc.get("connectors") or {}
+        for ref in ((sc.get("extras") or {}).get("input_connectors") or {}).values():
+            spec = connectors.get(ref) if isinstance(ref, str) else ref
+            if isinstance(spec, dict):
+                return dict(spec.get("extra") or {})
+        return {}
+
+    def _async_engine_config(self) -> Any:
+        """Make the one-stage engine an async-chunk stage of its real pipeline; returns the undo.
+
+        vLLM-Omni turns async-chunk mode off for a one-stage pipeline and gives its
+        stage id 0, whose scheduler never takes chunks. The stage's model config
+        (made here, in the stage process, and handed to its engine core) gets
+        what the full pipeline would give it: async-chunk mode, the stage's real id
+        and a connector. The connector is vLLM-Omni's shared-memory one, whatever
+        the deploy file names between hosts: it joins the engine core and this
+        process only (one pod), and omnifleet's wire joins the pods; its settings
+        are the deploy file's (`_connector_extra`)."""
+        from vllm_omni.distributed.omni_connectors.connectors.shm_connector import SharedMemoryConnector
+        from vllm_omni.engine.arg_utils import OmniEngineArgs
+
+        sid = self.pipeline_stage.stage_id
+        extra = {**self._connector_extra(), **({} if self.stage.inputs else {"role": "sender"})}
+        connector = {"name": "SharedMemoryConnector", "extra": {**extra, "stage_id": sid}}
+        self._conn = SharedMemoryConnector({**extra, "stage_id": sid})
+        made = OmniEngineArgs.__dict__["create_model_config"]
+
+        def create_model_config(args: Any) -> Any:
+            cfg = made(args)
+            cfg.async_chunk, cfg.stage_id, cfg.stage_connector_config = True, sid, connector
+            return cfg
+
+        OmniEngineArgs.create_model_config = create_model_config
+        return lambda: setattr(OmniEngineArgs, "create_model_config", made)
 
     def _hook_requests(self, final_stage_id: int | None) -> None:
         """Shape each request as vLLM-Omni's full pipeline would have it reach this stage's engine core.
@@ -214,6 +270,11 @@ class VllmOmniEngine(Engine):
         downstream = bool(self.stage.inputs)
 
         def build_hooked(*, request_id: str, prompt: Any, sampling_params_list: Any = None, **kwargs: Any) -> Any:
+            # The id AsyncOmni made unique (ours and a suffix) names the request's async chunks.
+            named = next((f for rid, f in self._engine_ids.items()
+                          if request_id == rid or request_id.startswith(rid + "-")), None)
+            if named is not None and not named.done():
+                named.set_result(request_id)
             if downstream and isinstance(prompt, dict):
                 prompt = build_engine_core_request_from_tokens(
                     request_id=request_id, prompt=prompt, params=sampling_params_list[0],
@@ -360,6 +421,10 @@ class VllmOmniEngine(Engine):
                 prompt["prompt_token_ids"] = codes
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        if self.async_chunk:
+            async for chunk in self._generate_chunked(request):
+                yield chunk
+            return
         params = self.sampling_params(request.sampling_params)
         n = 0
         async for item in request.inputs:
@@ -379,6 +444,166 @@ class VllmOmniEngine(Engine):
                 raise RuntimeError(f"stage {self.stage.name!r}: vLLM-Omni returned no output")
             yield self._chunk(last)
         self._active.pop(request.request_id, None)
+
+    def for_master(self, value: Any) -> Any:
+        return None if isinstance(value, dict) and ASYNC_CHUNK in value else value
+
+    async def _generate_chunked(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """Async-chunk mode, as vLLM-Omni's orchestrator and connectors run it, across pods.
+
+        - An entry stage's engine gets the prompt at once. A downstream stage's gets
+          its request when the first upstream chunk arrives, with the placeholder
+          prompt vLLM-Omni's orchestrator gives it (its length from the entry
+          stage's expanded prompt, which every chunk carries on).
+        - Upstream chunks go, in order, under the keys the engine's scheduler polls,
+          into the connector it reads (`_async_engine_config`); it holds the
+          request until each arrives (the talker takes one thinker token a step).
+        - A producer's engine runs its async-chunk builder every step and puts the
+          payloads under its own keys; they are taken here in order until the
+          one marked finished and sent on, one output chunk each (`ASYNC_CHUNK`:
+          the payload as arrays, the chunk's index, the entry stage's prompt).
+        - The engine's own outputs, when the stage's output is final: text and token
+          ids, or audio, as they grow (code2wav's audio chunk by chunk).
+        The master gets the final outputs only (`for_master`)."""
+        params = self.sampling_params(request.sampling_params)
+        rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+        sid = self.pipeline_stage.stage_id
+        queue: asyncio.Queue = asyncio.Queue()
+        prompt_made: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry_ids: asyncio.Future = asyncio.get_running_loop().create_future()  # the entry stage's prompt
+        engine_done = asyncio.Event()
+        engine_id = self._engine_ids[rid] = asyncio.get_running_loop().create_future()
+
+        async def run_engine() -> None:
+            prompt = await prompt_made
+            self._active.setdefault(request.request_id, set()).add(rid)
+            shown = {"tokens": 0, "text": 0, "audio": 0}
+            try:
+                async for out in self.omni.generate(prompt, request_id=rid, sampling_params_list=[params]):
+                    if not entry_ids.done():
+                        entry_ids.set_result([int(t) for t in getattr(out, "prompt_token_ids", None) or []])
+                    if self.stage.final_output != "none" and (chunk := self._grown(out, shown)) is not None:
+                        await queue.put(chunk)
+            finally:
+                self._active.get(request.request_id, set()).discard(rid)
+                engine_done.set()
+
+        async def take_inputs() -> None:
+            n = 0
+            async for item in request.inputs:
+                if not self.stage.inputs:
+                    prompt_made.set_result(await asyncio.to_thread(self.entry_prompt_of, item, rid))
+                    continue
+                for c in item if isinstance(item, list) else [item]:
+                    carried = c.get(ASYNC_CHUNK) if isinstance(c, dict) else None
+                    if not isinstance(carried, dict):
+                        continue  # the upstream stage's own text or audio
+                    if n == 0:
+                        ids = [int(t) for t in carried.get("prompt_token_ids") or []]
+                        entry_ids.set_result(ids)
+                        prompt_made.set_result({"prompt_token_ids": [0] * self._placeholder_len(ids)})
+                    payload = walk(carried.get("payload"), lambda v: to_tensor(v) if isinstance(v, Array) else v)
+                    key = f"{await engine_id}_{sid - 1}_{n}"
+                    ok, _, _ = await asyncio.to_thread(self._conn.put, str(sid - 1), str(sid), key, payload)
+                    if not ok:
+                        raise RuntimeError(f"stage {self.stage.name!r}: chunk {n} could not be handed to its engine "
+                                           "(vLLM-Omni's shared-memory connector; see the stage log)")
+                    n += 1
+            if not prompt_made.done():
+                raise BadInput(f"stage {self.stage.name!r}: the upstream stage sent no async-chunk payload")
+
+        async def take_chunks() -> None:
+            ids, eid = await entry_ids, await engine_id
+            n, quiet_since = 0, None
+            while True:
+                got = await asyncio.to_thread(self._conn.get, str(sid), str(sid + 1), f"{eid}_{sid}_{n}")
+                if got is None:
+                    if engine_done.is_set():
+                        quiet_since = quiet_since or time.monotonic()
+                        if time.monotonic() - quiet_since > ASYNC_CHUNK_GRACE_S:
+                            raise RuntimeError(f"stage {self.stage.name!r}: the engine finished request {rid} "
+                                               f"without its last async chunk (after chunk {n - 1})")
+                    await asyncio.sleep(ASYNC_CHUNK_POLL_S)
+                    continue
+                payload = got[0]
+                await queue.put({"token_ids": [], "text": "", ASYNC_CHUNK: {
+                    "index": n, "prompt_token_ids": ids, "payload": to_wire(payload)}})
+                n += 1
+                meta = payload.get("meta") if isinstance(payload, dict) else None
+                finished = meta.get("finished") if isinstance(meta, dict) else None
+                if finished is not None and bool(finished.item() if is_tensor_like(finished) else finished):
+                    return
+
+        tasks = [asyncio.ensure_future(run_engine()), asyncio.ensure_future(take_inputs())]
+        if self.pipeline_stage.async_chunk_process_next_stage_input_func:
+            tasks.append(asyncio.ensure_future(take_chunks()))
+        try:
+            while True:
+                if queue.empty() and all(t.done() for t in tasks):
+                    for t in tasks:
+                        t.result()
+                    break
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait([get, *(t for t in tasks if not t.done())], return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    yield get.result()
+                    continue
+                get.cancel()
+                for t in tasks:
+                    if t.done() and not t.cancelled() and t.exception() is not None:
+                        raise t.exception()
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._active.pop(request.request_id, None)
+            self._engine_ids.pop(rid, None)
+            if prompt_made.done() and not engine_done.is_set():  # failed or aborted here: the engine lets go too
+                asyncio.ensure_future(self.omni.abort(rid))
+            if engine_id.done():  # chunks nobody will read now (none when the request ran to its end)
+                await asyncio.to_thread(self._sweep, engine_id.result())
+
+    def _sweep(self, engine_id: str) -> None:
+        """Remove a request's async chunks left in shared memory (its keys begin with the engine's id)."""
+        import os
+
+        try:
+            names = os.listdir("/dev/shm")
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(engine_id + "_"):
+                self._conn.cleanup(name)
+
+    def _placeholder_len(self, entry_ids: list[int]) -> int:
+        """The placeholder prompt's length vLLM-Omni's orchestrator gives a downstream async-chunk stage."""
+        from vllm_omni.distributed.omni_connectors.adapter import compute_talker_prompt_ids_length
+
+        try:
+            n = max(1, compute_talker_prompt_ids_length(entry_ids))
+        except Exception:
+            n = max(1, len(entry_ids))
+        hf = getattr(self.omni.engine.stage_vllm_configs[0].model_config, "hf_config", None)
+        prewarm = getattr(hf, "async_chunk_prewarm_prompt_len", None)
+        return int(prewarm) if prewarm is not None and int(prewarm) > 1 else n
+
+    def _grown(self, out: Any, shown: dict[str, int]) -> dict[str, Any] | None:
+        """What a cumulative engine output adds since the last one: token ids and text, or audio samples."""
+        chunk = self._chunk(out, whole=False)
+        ids, text = chunk["token_ids"], chunk["text"]
+        grown: dict[str, Any] = {"token_ids": ids[shown["tokens"]:], "text": text[shown["text"]:],
+                                 "finish_reason": chunk["finish_reason"]}
+        if not shown["tokens"]:
+            grown["prompt_token_ids"] = chunk["prompt_token_ids"]
+        shown["tokens"], shown["text"] = len(ids), len(text)
+        if "audio" in chunk:
+            audio = chunk["audio"]
+            if audio.numel() <= shown["audio"] and chunk["finish_reason"] is None:
+                return None
+            grown["audio"], grown["sample_rate"] = to_wire(audio[shown["audio"]:]), chunk["sample_rate"]
+            shown["audio"] = audio.numel()
+        elif not grown["token_ids"] and not grown["text"] and chunk["finish_reason"] is None:
+            return None
+        return grown
 
     def _restore_producer_key(self, tensors: dict[str, Any]) -> None:
         """Name an AR stage's per-step payload as its producer did: `hidden`.
@@ -400,7 +625,10 @@ class VllmOmniEngine(Engine):
         if modality not in ("text", "audio", "image") and modality in tensors:
             tensors["hidden"] = tensors.pop(modality)
 
-    def _chunk(self, out: Any) -> dict[str, Any]:
+    def _chunk(self, out: Any, whole: bool = True) -> dict[str, Any]:
+        """The output chunk of an engine output; `whole=False` (async-chunk mode): without the tensors, the
+        audio as a tensor."""
+        audio_out = getattr(out, "final_output_type", None) == "audio" or self.stage.final_output == "audio"
         completion = out.outputs[0] if getattr(out, "outputs", None) else None
         ro = getattr(out, "request_output", None)
         if completion is None and ro is not None and getattr(ro, "outputs", None):
@@ -408,7 +636,7 @@ class VllmOmniEngine(Engine):
         from vllm_omni.data_entry_keys import flatten_payload
 
         tensors: dict[str, Any] = {}
-        for holder in (completion, ro, out):
+        for holder in (completion, ro, out) if whole or audio_out else ():
             mm = getattr(holder, "multimodal_output", None) if holder is not None else None
             if hasattr(mm, "tensors") and hasattr(mm, "metadata"):
                 mm = {**mm.metadata, **mm.tensors}
@@ -430,15 +658,21 @@ class VllmOmniEngine(Engine):
                                                   or getattr(ro, "prompt_token_ids", None) or [])],
             "text": (getattr(completion, "text", "") or "") if completion is not None else "",
             "finish_reason": getattr(completion, "finish_reason", None) if completion is not None else None,
-            "extra": to_wire(tensors),
         }
-        if getattr(out, "final_output_type", None) == "audio" or self.stage.final_output == "audio":
+        if whole:
+            chunk["extra"] = to_wire(tensors)
+        if audio_out:
             audio = tensors.get("audio")
+            if audio is None and not whole:  # a streamed output that adds no audio (its last, say)
+                import torch
+
+                audio = torch.zeros(0)
             if audio is None:
                 raise RuntimeError(f"stage {self.stage.name!r}: vLLM-Omni's output has no audio "
                                    f"(its tensors: {sorted(tensors)})")
             sr = tensors.get("sr")
-            chunk["audio"] = to_wire(audio.detach().to("cpu").float().reshape(-1))
+            audio = audio.detach().to("cpu").float().reshape(-1)
+            chunk["audio"] = to_wire(audio) if whole else audio
             chunk["sample_rate"] = int(sr.reshape(-1)[0].item()) if is_tensor_like(sr) else DEFAULT_SAMPLE_RATE
         return chunk
 
