@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 # latest.json section -> the paths whose code it measures (a commit touching any of them after the
 # section's commit makes the section stale).
 MEASURES: dict[str, tuple[str, ...]] = {
-    "control_plane": ("operator/omnifleet_operator", "runtime/omnifleet_runtime/schema.py",
+    # The operator without the vllm_omni package: `omnifleet import vllm-omni`'s, which the operator never imports.
+    "control_plane": ("operator/omnifleet_operator", ":(exclude)operator/omnifleet_operator/vllm_omni",
+                      "runtime/omnifleet_runtime/schema.py",
                       "bench/control_plane.py", "bench/cp_direct.py", "bench/cp_operator.py"),
     "data_plane": ("runtime/omnifleet_runtime", "bench/data_plane.py", "bench/common.py", "bench/raw.py",
                    "bench/wrapper.py"),
@@ -161,7 +163,9 @@ GOALS: tuple[Goal, ...] = (
          "forward, against 0.53 ms; at ced3bdb on a seventh: 1.79x at 16 MiB (met) and 1.35x at 64 MiB, the hop "
          "0.99 ms, 0.90 ms of it before the consumer's forward, against 0.55 ms; at af31eb5 (the runtime of c5c9e4b) "
          "on an eighth: 2.06x at 16 MiB and 1.36x at 64 MiB, the hop 1.09 ms, 1.00 ms of it before the consumer's "
-         "forward, against 0.53 ms. At 0feeec2 on an H200 "
+         "forward, against 0.53 ms; at 700a7c9 (the vllm-omni engine's async-chunk mode and a hook for what the "
+         "master gets of a chunk) on a ninth: 2.16x at 16 MiB and 2.24x at 64 MiB, the hop 0.96 and 1.18 ms, "
+         "against 0.45 and 0.53 ms. At 0feeec2 on an H200 "
          "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
          "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
          "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
@@ -185,7 +189,8 @@ GOALS: tuple[Goal, ...] = (
          "into pinned host memory, so the H2D runs at DMA speed (53 GB/s pinned against 18 GB/s pageable in the "
          "report): 0.86x at 16 MiB (3.81 GB/s, met) and 4.8-5.5x from 64 MiB (6.7-8.3 GB/s, 3.6-4.1 before); 1.11x "
          "at 4790628 on a lent H100 (met), 0.68x at ced3bdb on another (3.89 GB/s against a one-frame wire of 5.71 "
-         "GB/s there; 4.0-4.6x from 64 MiB), 1.04x at af31eb5 on a third (3.65 GB/s; 4.3-5.6x from 64 MiB)"),
+         "GB/s there; 4.0-4.6x from 64 MiB), 1.04x at af31eb5 on a third (3.65 GB/s; 4.3-5.6x from 64 MiB), "
+         "0.72x at 700a7c9 on a fourth (4.04 GB/s against a one-frame wire of 5.59 GB/s there; 4.0-5.3x from 64 MiB)"),
     Goal("bulk, two pods, the curve data plane (CurveZMQ; since 9a58d6c large messages AES-GCM sealed, their keys "
          "over CurveZMQ) / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,

@@ -44,7 +44,7 @@ def staleness(section: dict[str, Any], paths: tuple[str, ...] | list[str], root:
         return None
     if _git(root, "merge-base", "--is-ancestor", last_sha, commit).returncode == 0:
         return None
-    return f"{', '.join(paths)} changed since"
+    return f"{', '.join(p.replace(':(exclude)', 'not ') for p in paths)} changed since"
 
 
 def fmt(v: float, unit: str) -> str:

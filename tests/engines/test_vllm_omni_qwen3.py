@@ -144,28 +144,38 @@ def test_vllm_omni_runs_a_tiny_qwen3_omni_on_the_cpu(oracle, request):
            f"the first {same}")
 
 
+def complete_like_oracle(fleet, want: dict, i: int) -> tuple[dict, list[int], float, float, float]:
+    """The oracle's request `want` as a completion of its prompt tokens with `modalities: ["text", "audio"]`:
+    asserts the thinker's tokens and the audio (float32 chunks as they left code2wav, joined in order) within
+    1% of the oracle's peak (separate processes of the same build, as for Qwen2.5-Omni). Returns the choice,
+    the chunks' sample counts, the time taken, the peak and the largest difference."""
+    t = time.monotonic()
+    status, body = fleet.http("POST", "/v1/completions", {
+        "model": "qwen3-omni", "prompt": want["prompt_token_ids"], "return_token_ids": True,
+        "modalities": ["text", "audio"]}, timeout=600)
+    took = time.monotonic() - t
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == want["thinker_token_ids"], (i, choice["token_ids"], want)
+    chunks = [o["data"]["audio"] for o in choice.get("omni", []) if o["type"] == "audio"]
+    assert chunks and all(c["dtype"] == "float32" for c in chunks), chunks
+    raw = [base64.b64decode(c["data"]) for c in chunks]
+    got = array("f", b"".join(raw))
+    assert len(got) == len(want["audio"]) == want["audio_samples"], (i, len(got), len(want["audio"]))
+    peak = max(abs(x) for x in want["audio"])
+    worst = max(abs(a - b) for a, b in zip(got, want["audio"]))
+    assert worst <= 1e-2 * peak, f"request {i}: audio differs from the oracle's by up to {worst} (peak {peak})"
+    return choice, [len(r) // 4 for r in raw], took, peak, worst
+
+
 def test_qwen3_omni_through_omnifleet_matches_vllm_omnis_own_engine(fleet, oracle, request):
     """The oracle's two requests, in its order, as completions of its prompt tokens (the chat template's) with
     `modalities: ["text", "audio"]`: the audio chunk comes back as it left code2wav (float32 samples)."""
     for i, want in enumerate(oracle[:2]):
-        t = time.monotonic()
-        status, body = fleet.http("POST", "/v1/completions", {
-            "model": "qwen3-omni", "prompt": want["prompt_token_ids"], "return_token_ids": True,
-            "modalities": ["text", "audio"]}, timeout=600)
-        took = time.monotonic() - t
-        assert status == 200, body
-        choice = body["choices"][0]
-        assert choice["token_ids"] == want["thinker_token_ids"], (i, choice["token_ids"], want)
-        [chunk] = [o["data"] for o in choice.get("omni", []) if o["type"] == "audio"]
-        assert chunk["audio"]["dtype"] == "float32", chunk["audio"]
-        got = array("f", base64.b64decode(chunk["audio"]["data"]))
-        assert len(got) == len(want["audio"]) == want["audio_samples"], (i, len(got), len(want["audio"]))
-        peak = max(abs(x) for x in want["audio"])
-        worst = max(abs(a - b) for a, b in zip(got, want["audio"]))
-        # Separate processes of the same build: as for Qwen2.5-Omni, equal within 1% of the peak.
-        assert worst <= 1e-2 * peak, f"request {i}: audio differs from the oracle's by up to {worst} (peak {peak})"
+        choice, sizes, took, peak, worst = complete_like_oracle(fleet, want, i)
+        assert len(sizes) == 1, sizes  # whole-output mode: code2wav vocodes all codes at once
         report(request.config, "vllm-omni-qwen3", f"request {i} through omnifleet (3 stage pods): {took:.2f}s; "
-               f"thinker tokens {choice['token_ids']}, {len(got)} float32 samples (peak {peak:.3g}; largest "
+               f"thinker tokens {choice['token_ids']}, {sizes[0]} float32 samples (peak {peak:.3g}; largest "
                f"difference from vLLM-Omni's own engine: {worst:.3g})")
 
 
