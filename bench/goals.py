@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The runtime without the vllm-omni engine, which the engine registry imports only for a vllm-omni stage (no
+# benchmark runs one).
+RUNTIME = ("runtime/omnifleet_runtime", ":(exclude)runtime/omnifleet_runtime/engines/vllm_omni.py")
 # latest.json section -> the paths whose code it measures (a commit touching any of them after the
 # section's commit makes the section stale).
 MEASURES: dict[str, tuple[str, ...]] = {
@@ -16,14 +19,14 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "control_plane": ("operator/omnifleet_operator", ":(exclude)operator/omnifleet_operator/vllm_omni",
                       "runtime/omnifleet_runtime/schema.py",
                       "bench/control_plane.py", "bench/cp_direct.py", "bench/cp_operator.py"),
-    "data_plane": ("runtime/omnifleet_runtime", "bench/data_plane.py", "bench/common.py", "bench/raw.py",
+    "data_plane": (*RUNTIME, "bench/data_plane.py", "bench/common.py", "bench/raw.py",
                    "bench/wrapper.py"),
-    "gpu_boundary": ("runtime/omnifleet_runtime", "bench/gpu_boundary.py", "bench/common.py", "bench/torch_stages.py"),
-    "wire_security": ("runtime/omnifleet_runtime", "bench/wire_security.py", "bench/common.py", "bench/data_plane.py"),
-    "vllm_pipeline": ("runtime/omnifleet_runtime", "bench/vllm_pipeline.py", "bench/common.py", "bench/wrapper.py"),
-    "speech_ttfa": ("runtime/omnifleet_runtime", "bench/speech_ttfa.py", "bench/common.py", "bench/vllm_pipeline.py",
+    "gpu_boundary": (*RUNTIME, "bench/gpu_boundary.py", "bench/common.py", "bench/torch_stages.py"),
+    "wire_security": (*RUNTIME, "bench/wire_security.py", "bench/common.py", "bench/data_plane.py"),
+    "vllm_pipeline": (*RUNTIME, "bench/vllm_pipeline.py", "bench/common.py", "bench/wrapper.py"),
+    "speech_ttfa": (*RUNTIME, "bench/speech_ttfa.py", "bench/common.py", "bench/vllm_pipeline.py",
                     "bench/fns.py", "bench/raw.py", "bench/wrapper.py"),
-    "chaos": ("runtime/omnifleet_runtime", "operator/omnifleet_operator", "manifests", "tests/realnode/chaos.py",
+    "chaos": (*RUNTIME, "operator/omnifleet_operator", "manifests", "tests/realnode/chaos.py",
               "tests/realnode/test_chaos.py", "bench/chaos.py"),
 }
 

@@ -303,7 +303,7 @@ class Api:
             body = await self._checked(request, kind)
             sampling = self._sampling(body)
             final = self._finals(body)
-            audio_format = _audio_format(body) if kind == "chat" else None
+            audio_format = _audio_format(body, kind)
         except BadRequest as e:
             return self._invalid(e)
         if kind == "chat" and has_media(body["messages"]):
@@ -804,10 +804,20 @@ def _transcription_usage(usage: dict[str, Any]) -> dict[str, Any]:
             "total_tokens": usage["total_tokens"]}
 
 
-def _audio_format(body: dict[str, Any]) -> str:
+def _audio_format(body: dict[str, Any], kind: str) -> str | None:
+    """Chat's audio format (None for a completion, whose `audio` names only a voice); checks `audio`."""
     audio = body.get("audio") or {}
     if not isinstance(audio, dict):
-        raise BadRequest("'audio' must be an object {voice, format}")
+        raise BadRequest("'audio' must be an object {voice, format}" if kind == "chat" else
+                         "'audio' must be an object {voice}")
+    voice = audio.get("voice")
+    if voice is not None and (not isinstance(voice, str) or not voice.strip()):
+        raise BadRequest("audio.voice must be a non-empty string")
+    if kind != "chat":
+        if set(audio) - {"voice"}:
+            raise BadRequest(f"a completion's 'audio' takes only 'voice' (its audio comes as the stage made it), "
+                             f"not {', '.join(repr(k[:32]) for k in sorted(set(audio) - {'voice'}))}")
+        return None
     fmt = audio.get("format") or "wav"
     if fmt not in (*media.AUDIO_TYPES, "pcm16"):
         raise BadRequest(f"audio.format {str(fmt)[:32]!r} is not supported here; use one of "

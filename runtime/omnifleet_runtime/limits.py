@@ -31,8 +31,9 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "chat": frozenset(_GENERATE + (
         "messages", "modalities", "audio", "response_format", "tools", "tool_choice", "parallel_tool_calls",
         "chat_template", "chat_template_kwargs", "store", "service_tier", "reasoning_effort")),
-    # `modalities` as on chat (an extension): a completion's non-text outputs come in the choice's `omni` field.
-    "completion": frozenset(_GENERATE + ("prompt", "echo", "best_of", "suffix", "modalities")),
+    # `modalities` as on chat (an extension): a completion's non-text outputs come in the choice's `omni` field;
+    # `audio` takes only chat's `voice` there (the samples come as the stage made them).
+    "completion": frozenset(_GENERATE + ("prompt", "echo", "best_of", "suffix", "modalities", "audio")),
     "image": frozenset(_COMMON + ("prompt", "n", "size", "seed", "response_format", "quality", "style",
                                   "negative_prompt")),
     "speech": frozenset(_COMMON + ("input", "voice", "response_format", "speed", "instructions", "stream_format")),

@@ -6,9 +6,10 @@ the CPU through omnifleet's platform plugin (plugins/omnifleet-vllm-omni-cpu), o
 tests/engines/tiny_qwen3_omni.py makes, with vLLM-Omni's Qwen3-Omni deploy settings made CPU-sized (float32 but
 the talker, eager, no CUDA graphs, the MoE backend vLLM picks). The fleet is the same three stages as
 `vllm-omni` stages, a pod process each (vLLM-Omni's environment, a device lock of its own as a pod's /tmp
-gives it), behind omnifleet's master, started beside the oracle. Both take the same three requests in the same
-order: a text request twice, then a chat message with an image and audio (which the master decodes and the
-thinker's engine takes as multimodal data); the fleet's thinker tokens and audio must be the oracle's.
+gives it), behind omnifleet's master, started beside the oracle. Both take the same four requests in the same
+order: a text request twice, a chat message with an image and audio (which the master decodes and the
+thinker's engine takes as multimodal data), then the text request in another voice than the model's default;
+the fleet's thinker tokens and audio must be the oracle's.
 
 The same request twice does not give the same audio: the talker draws its first codebook with the request's
 seed (the deploy file's), but its code predictor draws the other codebooks from the engine's global generator,
@@ -59,6 +60,9 @@ STAGES = [
          sampling=SAMPLING[2], engine={**ENGINE, "enable_chunked_prefill": False, "async_scheduling": False}),
 ]
 MESSAGES = [{"role": "user", "content": "hi"}]
+# The fourth request's voice: one of the tiny model's three (talker_config.speaker_id), not its default (the
+# first in its config.json, which transformers writes sorted: aiden); as a client might spell it.
+VOICE = "Ethan"
 
 
 @pytest.fixture(autouse=True)
@@ -76,10 +80,12 @@ def tiny_qwen3_omni(omni_python) -> str:
 
 
 def run_oracle(tmp: Path, omni_python: str, model: str, deploy: dict):
-    """A module's oracle_run body: vLLM-Omni's own engine with `deploy` on the module's three requests, in the
-    fleet's order (the text request twice, then the one with an image and audio), started (not waited for)."""
+    """A module's oracle_run body: vLLM-Omni's own engine with `deploy` on the module's four requests, in the
+    fleet's order (the text request twice, the one with an image and audio, the text request in VOICE),
+    started (not waited for)."""
     (tmp / "deploy.yaml").write_text(yaml.safe_dump(deploy))
-    (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, MESSAGES, media()[1]],
+    (tmp / "request.json").write_text(json.dumps({"prompts": [MESSAGES, MESSAGES, media()[1], MESSAGES],
+                                                  "speakers": [None, None, None, VOICE],
                                                   "sampling_params": SAMPLING}))
     proc = run_in_group([omni_python, str(HERE / "vllm_omni_oracle.py"), model, str(tmp / "deploy.yaml"),
                          str(tmp / "request.json"), str(tmp)], tmp, tmp / "omni.log", _env())
@@ -103,7 +109,7 @@ def oracle_requests(launched, request, tag: str, what: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def oracle_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
-    """vLLM-Omni's own engine on the three requests, started (not waited for): the oracle fixture waits."""
+    """vLLM-Omni's own engine on the four requests, started (not waited for): the oracle fixture waits."""
     yield from run_oracle(tmp_path_factory.mktemp("oracle"), omni_python, tiny_qwen3_omni, {
         "async_chunk": False, "stages": [{"stage_id": i, "devices": "0", **s["engine"],
                                           "default_sampling_params": SAMPLING[i]} for i, s in enumerate(STAGES)]})
@@ -130,7 +136,7 @@ def fleet(launched, request):
 
 
 def test_vllm_omni_runs_a_tiny_qwen3_omni_on_the_cpu(oracle, request):
-    first, second, _ = oracle
+    first, second = oracle[:2]
     assert len(first["thinker_token_ids"]) == SAMPLING[0]["max_tokens"], first
     assert first["thinker_hidden_shape"][0] > 0 and first["sample_rate"] == 24000, first
     audio = [one["audio"] for one in oracle[:2]]
@@ -144,15 +150,17 @@ def test_vllm_omni_runs_a_tiny_qwen3_omni_on_the_cpu(oracle, request):
            f"the first {same}")
 
 
-def complete_like_oracle(fleet, want: dict, i: int) -> tuple[dict, list[int], float, float, float]:
-    """The oracle's request `want` as a completion of its prompt tokens with `modalities: ["text", "audio"]`:
-    asserts the thinker's tokens and the audio (float32 chunks as they left code2wav, joined in order) within
-    1% of the oracle's peak (separate processes of the same build, as for Qwen2.5-Omni). Returns the choice,
-    the chunks' sample counts, the time taken, the peak and the largest difference."""
+def complete_like_oracle(fleet, want: dict, i: int, voice: str | None = None
+                         ) -> tuple[dict, list[int], float, float, float]:
+    """The oracle's request `want` as a completion of its prompt tokens with `modalities: ["text", "audio"]`
+    (and `audio.voice`): asserts the thinker's tokens and the audio (float32 chunks as they left code2wav,
+    joined in order) within 1% of the oracle's peak (separate processes of the same build, as for
+    Qwen2.5-Omni). Returns the choice, the chunks' sample counts, the time taken, the peak and the largest
+    difference."""
     t = time.monotonic()
     status, body = fleet.http("POST", "/v1/completions", {
         "model": "qwen3-omni", "prompt": want["prompt_token_ids"], "return_token_ids": True,
-        "modalities": ["text", "audio"]}, timeout=600)
+        "modalities": ["text", "audio"], **({"audio": {"voice": voice}} if voice else {})}, timeout=600)
     took = time.monotonic() - t
     assert status == 200, body
     choice = body["choices"][0]
@@ -200,3 +208,22 @@ def test_qwen3_omni_image_and_audio_in_text_and_audio_out_match_vllm_omnis_own_e
     report(request.config, "vllm-omni-qwen3", f"image + audio + text in, text and audio out through omnifleet: "
            f"{took:.2f}s; prompt {body['usage']['prompt_tokens']} tokens, thinker tokens {choice['token_ids']}, "
            f"{len(got)} samples of audio, as vLLM-Omni's own engine's")
+
+
+def check_voice(fleet, oracle, request, tag: str) -> tuple[dict, list[int], float, float, float]:
+    """The oracle's fourth request, the text one in VOICE, after the third (the engines' generators stay in
+    step): the fleet's thinker tokens and audio are the oracle's. A voice the model does not have is a 400
+    naming the model's voices, before any engine runs it."""
+    status, body = fleet.http("POST", "/v1/completions", {
+        "model": "qwen3-omni", "prompt": oracle[3]["prompt_token_ids"], "modalities": ["text", "audio"],
+        "audio": {"voice": "Nobody"}}, timeout=120)
+    assert status == 400 and "unknown voice 'Nobody' (this model speaks as aiden, chelsie, ethan)" in \
+        body["error"]["message"], body
+    got = complete_like_oracle(fleet, oracle[3], 3, VOICE)
+    report(request.config, tag, f"request 3 through omnifleet in voice {VOICE!r}: {got[2]:.2f}s; {sum(got[1])} "
+           f"float32 samples (largest difference from vLLM-Omni's own engine, told the same voice: {got[4]:.3g})")
+    return got
+
+
+def test_qwen3_omni_speaks_in_the_requested_voice_as_vllm_omnis_own_engine(fleet, oracle, request):
+    check_voice(fleet, oracle, request, "vllm-omni-qwen3")

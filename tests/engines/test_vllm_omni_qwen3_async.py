@@ -24,8 +24,8 @@ import pytest
 from ..conftest import time_limit  # noqa: E402
 from .conftest import media, report  # noqa: E402
 from .test_vllm_omni import omni_pipeline, omni_python, ready, start_fleet  # noqa: E402,F401
-from .test_vllm_omni_qwen3 import (SAMPLING, STAGES, TEST_TIMEOUT_S, complete_like_oracle,  # noqa: E402
-                                   oracle_requests, run_oracle)
+from .test_vllm_omni_qwen3 import (SAMPLING, STAGES, TEST_TIMEOUT_S, check_voice,  # noqa: E402
+                                   complete_like_oracle, oracle_requests, run_oracle)
 from .test_vllm_omni_qwen3 import tiny_qwen3_omni  # noqa: E402,F401
 
 pytestmark = [pytest.mark.vllm]
@@ -48,7 +48,7 @@ def overall_timeout():
 
 @pytest.fixture(scope="module")
 def oracle_run(omni_python, tiny_qwen3_omni, tmp_path_factory):
-    """vLLM-Omni's own engine in async-chunk mode on the three requests, started (not waited for)."""
+    """vLLM-Omni's own engine in async-chunk mode on the four requests, started (not waited for)."""
     yield from run_oracle(tmp_path_factory.mktemp("oracle-async"), omni_python, tiny_qwen3_omni, {
         "async_chunk": True, "connectors": {"shm": CONNECTOR},
         "stages": [{"stage_id": s["stageId"], "devices": "0", **s["engine"], "default_sampling_params": s["sampling"],
@@ -76,7 +76,7 @@ def fleet(launched, request):
 
 
 def test_vllm_omni_runs_a_tiny_qwen3_omni_in_async_chunk_mode_on_the_cpu(oracle, request):
-    first, second, _ = oracle
+    first, second = oracle[:2]
     assert len(first["thinker_token_ids"]) == SAMPLING[0]["max_tokens"], first
     assert second["thinker_token_ids"] == first["thinker_token_ids"], (first, second)
     audio = first["audio"]
@@ -114,3 +114,10 @@ def test_qwen3_omni_async_image_and_audio_in_text_and_audio_out(fleet, oracle, r
     report(request.config, "vllm-omni-qwen3-async", f"image + audio + text in, streamed text and audio out: "
            f"prompt {body['usage']['prompt_tokens']} tokens, thinker tokens {choice['token_ids']}, {len(got)} "
            f"samples of audio, as vLLM-Omni's own engine's")
+
+
+def test_qwen3_omni_streams_in_the_requested_voice(fleet, oracle, request):
+    """The voice reaches the talker on the thinker's chunks (its async-chunk builder reads it from the
+    thinker's request), in more than one chunk of audio."""
+    _, sizes, *_ = check_voice(fleet, oracle, request, "vllm-omni-qwen3-async")
+    assert sum(1 for n in sizes if n) > 1, sizes

@@ -12,7 +12,8 @@ a byte-level tokenizer with Qwen's special tokens at their real ids, and the rol
 config names (the talker reads the role tokens), head_dim 64 (vLLM's CPU attention), interleaved mrope
 sections that sum to head_dim/2, 16 code groups (vLLM-Omni's code2wav reads 16 quantizers), the talker's
 hidden layer within the thinker's layers. Weights: transformers' initialisers under torch.manual_seed,
-stored as bfloat16 (the engines load them as float32).
+the talker's codec head scaled up (so that its codes follow what it is given, the speaker included), stored as
+bfloat16 (the engines load them as float32).
 """
 from __future__ import annotations
 
@@ -73,6 +74,10 @@ RECIPE = {
     "specials": SPECIALS,
     "roles": ROLE_WORDS,
     "chat_template": CHAT_TEMPLATE,
+    # A random talker's codec logits are nearly flat (initialised weights: a spread of about 0.2), so a seeded
+    # draw depends little on what the talker was given; its head scaled up makes its codes follow its input
+    # (the speaker included: the voice tests compare audio).
+    "talker_head_scale": 50.0,
 }
 
 
@@ -91,7 +96,10 @@ def build(out: Path) -> None:
         talker_config=RECIPE["talker"], code2wav_config=RECIPE["code2wav"], enable_audio_output=True)
     cfg.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     torch.manual_seed(SEED)
-    Qwen3OmniMoeForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(out)
+    model = Qwen3OmniMoeForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.talker.codec_head.weight.mul_(RECIPE["talker_head_scale"])
+    model.to(torch.bfloat16).save_pretrained(out)
     fast.save_pretrained(out)
     # The multimodal processor (vLLM's engine builds its dummy inputs with it); vLLM-Omni's env has torchvision.
     Qwen3OmniMoeProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16),

@@ -2,7 +2,10 @@
 
     <vLLM-Omni env python> vllm_omni_oracle.py MODEL DEPLOY.yaml REQUEST.json OUT_DIR
 
-REQUEST.json: {"prompts": [messages, ...], "sampling_params": [per stage]}. The
+REQUEST.json: {"prompts": [messages, ...], "sampling_params": [per stage],
+"speakers": [per prompt: a voice or null; optional]}. A voice goes into the
+prompt as vLLM-Omni's serving layer puts it (`additional_information.speaker`,
+lower case). The
 prompts run one after another, in order (code2wav draws its noise from its
 engine's global generator, so a fleet that runs the same requests in the same
 order draws the same noise). The chat template is applied with the model's
@@ -68,8 +71,11 @@ def main() -> None:
     omni = Omni(model=model, deploy_config=deploy, stage_init_timeout=600, init_timeout=900)
     result = {"start_s": time.monotonic() - t, "requests": []}
     params = [SamplingParams(**p) for p in req["sampling_params"]]
-    for i, messages in enumerate(req["prompts"]):
+    speakers = req.get("speakers") or [None] * len(req["prompts"])
+    for i, (messages, speaker) in enumerate(zip(req["prompts"], speakers)):
         prompt = prompt_of(tokenizer, messages)
+        if speaker:
+            prompt["additional_information"] = {"speaker": [speaker.lower().strip()]}
         one = {"prompt_token_ids": prompt["prompt_token_ids"]}
         for o in omni.generate([prompt], params):
             print("oracle output: request", i, "stage", o.stage_id, o.final_output_type, flush=True)

@@ -43,6 +43,9 @@ engines stream to each other as in vLLM-Omni's own pipeline, their connector
 payloads crossing pods as output chunks (`_generate_chunked`); a final stage's
 text and audio come out as they grow.
 
+The request's voice (`voice`) goes into the entry stage's prompt as vLLM-Omni's
+serving layer puts it; the thinker's payload builders carry it to the talker.
+
 Not yet: fan-in from several upstream stages (refused at start; vLLM-Omni
 0.30's registry has none), CFG companions' KV hand-over.
 """
@@ -94,6 +97,21 @@ def _load(ref: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def _speakers(model: str) -> set[str]:
+    """The voices a model's config lists, lower case, as vLLM-Omni's serving layer reads them (its
+    `get_supported_speakers_from_hf_config`, whose module imports its whole server); empty when it lists none."""
+    from transformers import PretrainedConfig
+
+    try:
+        talker = PretrainedConfig.get_config_dict(model)[0].get("talker_config") or {}
+    except (OSError, ValueError):  # no readable config.json: the engine's start says so
+        return set()
+    for key in ("speaker_id", "spk_id"):
+        if isinstance(talker, dict) and isinstance(talker.get(key), dict) and talker[key]:
+            return {str(name).lower() for name in talker[key]}
+    return set()
+
+
 class VllmOmniEngine(Engine):
     max_concurrency = None  # vLLM-Omni's scheduler batches and queues
 
@@ -112,6 +130,7 @@ class VllmOmniEngine(Engine):
         self.async_chunk = bool(self.spec and (self.spec.async_chunk or stage.engine_args.get("async_chunk")))
         self._conn: Any = None  # async-chunk mode: vLLM-Omni's shared-memory connector to the stage engine
         self._engine_ids: dict[str, asyncio.Future] = {}  # async-chunk mode: our request id -> the engine's
+        self.speakers: set[str] = set()  # the model's voices, lower case (none listed: any voice is taken)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -134,6 +153,7 @@ class VllmOmniEngine(Engine):
             raise EngineStartError(MISSING.format(stage=name, python=sys.executable,
                                                   error=f"{type(e).__name__}: {e}")) from None
         self.model = expand_model(self.stage)
+        self.speakers = _speakers(self.model)
         from vllm_omni.config.pipeline_registry import register_pipeline, resolve_pipeline_config
 
         pipeline = resolve_pipeline_config(self.spec.pipeline)
@@ -320,7 +340,31 @@ class VllmOmniEngine(Engine):
         except (TypeError, ValueError) as e:
             raise BadInput(f"stage {self.stage.name!r}: bad sampling parameters: {e}") from None
 
-    def entry_prompt_of(self, item: Any, rid: str) -> dict[str, Any]:
+    def voice(self, info: Any) -> str | None:
+        """The request's voice (chat's `audio.voice`, speech's `voice`), as vLLM-Omni's serving layer takes it:
+        lower case, one of the model's speakers where its config lists them (Qwen3-Omni's
+        `talker_config.speaker_id`). The entry stage's prompt carries it (`additional_information.speaker`),
+        where the thinker's payload builders read it for the talker."""
+        extra = getattr(info, "extra", None) or {}
+        audio = extra.get("audio")
+        voice = (audio.get("voice") if isinstance(audio, dict) else None) or extra.get("voice")
+        if voice is None:
+            return None
+        if not isinstance(voice, str) or not voice.strip():
+            raise BadInput(f"stage {self.stage.name!r}: the voice must be a non-empty string")
+        name = voice.lower().strip()
+        if self.speakers and name not in self.speakers:
+            raise BadInput(f"stage {self.stage.name!r}: unknown voice {voice[:64]!r} (this model speaks as "
+                           f"{', '.join(sorted(self.speakers))})")
+        return name
+
+    def entry_prompt_of(self, item: Any, rid: str, voice: str | None = None) -> dict[str, Any]:
+        prompt = self._entry_prompt(item)
+        if voice is not None:
+            prompt["additional_information"] = {"speaker": [voice]}
+        return prompt
+
+    def _entry_prompt(self, item: Any) -> dict[str, Any]:
         if isinstance(item, dict) and "sampling_params" in item:
             item = {k: v for k, v in item.items() if k != "sampling_params"}
         if isinstance(item, str):
@@ -361,8 +405,9 @@ class VllmOmniEngine(Engine):
             prompt["multi_modal_data"] = mm
         return prompt
 
-    def downstream_prompt(self, item: Any, rid: str) -> dict[str, Any]:
-        """The upstream stage's output chunks -> this stage's prompt, through vLLM-Omni's own processors."""
+    def downstream_prompt(self, item: Any, rid: str, voice: str | None = None) -> dict[str, Any]:
+        """The upstream stage's output chunks -> this stage's prompt, through vLLM-Omni's own processors, which
+        see the request's voice where the upstream stage's engine request would carry it."""
         chunks = item if isinstance(item, list) else [item]
         if not chunks or not all(isinstance(c, dict) for c in chunks):
             raise BadInput(f"stage {self.stage.name!r}: upstream output must be the chunks of a vllm-omni stage")
@@ -375,7 +420,9 @@ class VllmOmniEngine(Engine):
                                            finish_reason=finish, multimodal_output=extra)
         source = types.SimpleNamespace(request_id=rid, prompt_token_ids=prompt_ids, outputs=[completion],
                                        finished=True, multimodal_output=extra)
-        prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
+        spoken = {"speaker": [voice]} if voice is not None else None
+        prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, **({"additional_information": spoken}
+                                                                     if spoken else {})}
         if self.input_processor is not None:
             made = self.input_processor([source], prompt, False)
             if not made:
@@ -384,10 +431,13 @@ class VllmOmniEngine(Engine):
         else:
             prompt = {"prompt_token_ids": out_ids}
         if self.upstream_builder is not None:
+            from vllm_omni.data_entry_keys import serialize_payload
+
             request = types.SimpleNamespace(
                 request_id=rid, prompt_token_ids=prompt_ids, output_token_ids=out_ids,
                 all_token_ids=prompt_ids + out_ids,
-                status=types.SimpleNamespace(name=_FINISH_STATUS.get(finish, "")))
+                status=types.SimpleNamespace(name=_FINISH_STATUS.get(finish, "")),
+                additional_information=serialize_payload(spoken) if spoken else None)
             # The builder's transfer manager stands for the upstream stage's; what builders read of it is the
             # model config (Qwen3-Omni's, the thinker layer the talker takes), the same checkpoint's as here.
             config = self.omni.engine.stage_vllm_configs[0].model_config
@@ -426,13 +476,14 @@ class VllmOmniEngine(Engine):
                 yield chunk
             return
         params = self.sampling_params(request.sampling_params)
+        voice = self.voice(request.info)
         n = 0
         async for item in request.inputs:
             rid = f"{request.request_id}-{n}-{uuid.uuid4().hex[:8]}"
             n += 1
             # Templates, tokenizers and payload builders run off the event loop (heartbeats keep going).
             prompt = await asyncio.to_thread(self.downstream_prompt if self.stage.inputs else self.entry_prompt_of,
-                                             item, rid)
+                                             item, rid, voice)
             self._active.setdefault(request.request_id, set()).add(rid)
             last = None
             try:
@@ -466,6 +517,7 @@ class VllmOmniEngine(Engine):
           ids, or audio, as they grow (code2wav's audio chunk by chunk).
         The master gets the final outputs only (`for_master`)."""
         params = self.sampling_params(request.sampling_params)
+        voice = self.voice(request.info)  # the entry stage's; the thinker's chunks carry it on
         rid = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
         sid = self.pipeline_stage.stage_id
         queue: asyncio.Queue = asyncio.Queue()
@@ -473,6 +525,7 @@ class VllmOmniEngine(Engine):
         entry_ids: asyncio.Future = asyncio.get_running_loop().create_future()  # the entry stage's prompt
         engine_done = asyncio.Event()
         engine_id = self._engine_ids[rid] = asyncio.get_running_loop().create_future()
+        put: list[str] = []  # the keys of the upstream chunks handed to the engine
 
         async def run_engine() -> None:
             prompt = await prompt_made
@@ -492,7 +545,7 @@ class VllmOmniEngine(Engine):
             n = 0
             async for item in request.inputs:
                 if not self.stage.inputs:
-                    prompt_made.set_result(await asyncio.to_thread(self.entry_prompt_of, item, rid))
+                    prompt_made.set_result(await asyncio.to_thread(self.entry_prompt_of, item, rid, voice))
                     continue
                 for c in item if isinstance(item, list) else [item]:
                     carried = c.get(ASYNC_CHUNK) if isinstance(c, dict) else None
@@ -504,6 +557,7 @@ class VllmOmniEngine(Engine):
                         prompt_made.set_result({"prompt_token_ids": [0] * self._placeholder_len(ids)})
                     payload = walk(carried.get("payload"), lambda v: to_tensor(v) if isinstance(v, Array) else v)
                     key = f"{await engine_id}_{sid - 1}_{n}"
+                    put.append(key)
                     ok, _, _ = await asyncio.to_thread(self._conn.put, str(sid - 1), str(sid), key, payload)
                     if not ok:
                         raise RuntimeError(f"stage {self.stage.name!r}: chunk {n} could not be handed to its engine "
@@ -537,11 +591,13 @@ class VllmOmniEngine(Engine):
         tasks = [asyncio.ensure_future(run_engine()), asyncio.ensure_future(take_inputs())]
         if self.pipeline_stage.async_chunk_process_next_stage_input_func:
             tasks.append(asyncio.ensure_future(take_chunks()))
+        ended = False  # every task ran to its end: the engine read every chunk put here, and ours were taken
         try:
             while True:
                 if queue.empty() and all(t.done() for t in tasks):
                     for t in tasks:
                         t.result()
+                    ended = True
                     break
                 get = asyncio.ensure_future(queue.get())
                 await asyncio.wait([get, *(t for t in tasks if not t.done())], return_when=asyncio.FIRST_COMPLETED)
@@ -559,19 +615,24 @@ class VllmOmniEngine(Engine):
             self._engine_ids.pop(rid, None)
             if prompt_made.done() and not engine_done.is_set():  # failed or aborted here: the engine lets go too
                 asyncio.ensure_future(self.omni.abort(rid))
-            if engine_id.done():  # chunks nobody will read now (none when the request ran to its end)
-                await asyncio.to_thread(self._sweep, engine_id.result())
+            # Chunks nobody will read now: upstream ones the engine did not take (it may end first, at its
+            # max_tokens), and, when the request did not run to its end, whatever the engine made.
+            if put or (engine_id.done() and not ended):
+                await asyncio.to_thread(self._sweep, put, None if ended else engine_id.result())
 
-    def _sweep(self, engine_id: str) -> None:
-        """Remove a request's async chunks left in shared memory (its keys begin with the engine's id)."""
+    def _sweep(self, keys: list[str], engine_id: str | None) -> None:
+        """Remove a request's async chunks left in shared memory: `keys`, and with `engine_id` every one
+        whose key begins with it (a listing of /dev/shm, for a request that did not run to its end)."""
         import os
 
+        for key in keys:
+            self._conn.cleanup(key)  # an unlink that finds nothing when the engine took the chunk
         try:
-            names = os.listdir("/dev/shm")
+            names = os.listdir("/dev/shm") if engine_id else []
         except OSError:
             return
         for name in names:
-            if name.startswith(engine_id + "_"):
+            if name.startswith(f"{engine_id}_"):
                 self._conn.cleanup(name)
 
     def _placeholder_len(self, entry_ids: list[int]) -> int:
