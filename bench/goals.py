@@ -106,7 +106,9 @@ GOALS: tuple[Goal, ...] = (
          "and 894 us of runtime CPU against 114 us (coroutine stages 4.38x); at c5c9e4b (no change on the data "
          "path) 4.50x, a hop of 698 us and 1012 us against a raw round trip of 155 us on a noisier run of the "
          "machine (coroutine stages 3.95x); at a6c5130 (a hook for what the master gets of a final chunk) 4.56x, a "
-         "hop of 514 us and 782 us of runtime CPU against a raw round trip of 113 us (coroutine stages 3.52x)"),
+         "hop of 514 us and 782 us of runtime CPU against a raw round trip of 113 us (coroutine stages 3.52x); at "
+         "b257644 (a completion's `audio` checked as chat's) 5.32x, a hop of 587 us and 883 us of runtime CPU "
+         "against a raw round trip of 110 us (coroutine stages 3.78x)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -152,7 +154,9 @@ GOALS: tuple[Goal, ...] = (
          "held 46 ms 1748 calls at 4.04 us, 64 MiB 1802 at 3.27 us, 1 MiB not held 1380 at 2.15 us; the fixed "
          "piece of Python work 1.30x after sleeping: the same calls, dearer on a slower run of the machine. At "
          "a6c5130: 2.46x, the held control 1.02x, held over not held 2.41x; 1 KiB held 33 ms 1732 calls at 2.15 us, "
-         "64 MiB 1795 at 2.13 us, 1 MiB not held 1357 at 1.59 us; the fixed piece of Python work 1.13x"),
+         "64 MiB 1795 at 2.13 us, 1 MiB not held 1357 at 1.59 us; the fixed piece of Python work 1.13x. At "
+         "b257644: 2.21x, the held control 1.00x, held over not held 2.21x; 1 KiB held 36 ms 1754 calls at 2.54 "
+         "us, 64 MiB 1803 at 2.37 us, 1 MiB not held 1382 at 1.78 us; the fixed piece of Python work 1.10x"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -260,7 +264,8 @@ GOALS: tuple[Goal, ...] = (
          "10.54 ms and 6.41 ms (1.59x, rounds 1.33-2.00x; with one thinker token 1.72x); at ced3bdb 10.34 ms and "
          "6.43 ms (1.63x, rounds 1.54-1.97x; with one thinker token 1.82x); at c5c9e4b (no change on its path) "
          "14.84 ms and 8.37 ms (1.73x, rounds 1.49-1.93x; with one thinker token 1.79x); at a6c5130 7.92 ms and "
-         "4.46 ms (1.73x, rounds 1.68-1.89x; with one thinker token 1.57x). The runs "
+         "4.46 ms (1.73x, rounds 1.68-1.89x; with one thinker token 1.57x); at b257644 8.83 ms and 5.02 ms "
+         "(1.70x, rounds 1.51-2.03x; with one thinker token 1.67x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
