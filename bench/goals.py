@@ -175,7 +175,9 @@ GOALS: tuple[Goal, ...] = (
          "on an eighth: 2.06x at 16 MiB and 1.36x at 64 MiB, the hop 1.09 ms, 1.00 ms of it before the consumer's "
          "forward, against 0.53 ms; at 700a7c9 (the vllm-omni engine's async-chunk mode and a hook for what the "
          "master gets of a chunk) on a ninth: 2.16x at 16 MiB and 2.24x at 64 MiB, the hop 0.96 and 1.18 ms, "
-         "against 0.45 and 0.53 ms. At 0feeec2 on an H200 "
+         "against 0.45 and 0.53 ms; at b257644 (the voice of vllm-omni stages) on a tenth: 2.55x at 16 MiB and "
+         "1.36x at 64 MiB, the hop 1.12 and 0.89 ms (1.03 and 0.79 ms before the consumer's forward), against "
+         "0.44 and 0.65 ms. At 0feeec2 on an H200 "
          "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
          "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
          "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
@@ -200,7 +202,8 @@ GOALS: tuple[Goal, ...] = (
          "report): 0.86x at 16 MiB (3.81 GB/s, met) and 4.8-5.5x from 64 MiB (6.7-8.3 GB/s, 3.6-4.1 before); 1.11x "
          "at 4790628 on a lent H100 (met), 0.68x at ced3bdb on another (3.89 GB/s against a one-frame wire of 5.71 "
          "GB/s there; 4.0-4.6x from 64 MiB), 1.04x at af31eb5 on a third (3.65 GB/s; 4.3-5.6x from 64 MiB), "
-         "0.72x at 700a7c9 on a fourth (4.04 GB/s against a one-frame wire of 5.59 GB/s there; 4.0-5.3x from 64 MiB)"),
+         "0.72x at 700a7c9 on a fourth (4.04 GB/s against a one-frame wire of 5.59 GB/s there; 4.0-5.3x from 64 MiB), "
+         "0.96x at b257644 on a fifth (4.28 GB/s; 4.3-5.7x from 64 MiB)"),
     Goal("bulk, two pods, the curve data plane (CurveZMQ; since 9a58d6c large messages AES-GCM sealed, their keys "
          "over CurveZMQ) / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
