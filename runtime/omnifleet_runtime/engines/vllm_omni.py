@@ -591,7 +591,7 @@ class VllmOmniEngine(Engine):
         tasks = [asyncio.ensure_future(run_engine()), asyncio.ensure_future(take_inputs())]
         if self.pipeline_stage.async_chunk_process_next_stage_input_func:
             tasks.append(asyncio.ensure_future(take_chunks()))
-        ended = False  # every task ran to its end: the engine read every chunk put here, and ours were taken
+        ended = False  # every task ran to its end: the engine's own chunks were taken up to its finished one
         try:
             while True:
                 if queue.empty() and all(t.done() for t in tasks):
