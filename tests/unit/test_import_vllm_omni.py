@@ -129,6 +129,20 @@ def test_qwen3_omni_streams_and_colocates_by_device(deploy_dir):
     assert not any("async" in w for w in r.warnings), r.warnings
 
 
+def test_bagel_converts_with_a_warning_for_each_stage_of_its_kv_cache_hand_over(deploy_dir):
+    # The thinker's KV caches (and its CFG companions') reach the DiT through vLLM-Omni's connector, not as a
+    # stage output: omnifleet's wire does not carry them, which the import says for both ends.
+    r = import_deploy(deploy_dir / "bagel.yaml")
+    s = stages_by_name(r.document)
+    assert s["dit"]["inputs"] == ["thinker"] and s["dit"]["colocateWith"] == "thinker"
+    kv = [w for w in r.warnings if "hands KV caches" in w]
+    assert [w.split(":")[0] for w in kv] == ["stage thinker", "stage dit"], r.warnings
+    assert "omni_kv_config.need_send_cache" in kv[0]
+    assert "omni_kv_config.need_recv_cache, cfg_kv_collect_func" in kv[1]
+    # A pipeline without such a hand-over gets no such warning.
+    assert not any("hands KV caches" in w for w in import_deploy(deploy_dir / "qwen2_5_omni.yaml").warnings)
+
+
 def test_no_async_chunk_imports_the_whole_output_mode(deploy_dir, tmp_path):
     # vLLM-Omni's --no-async-chunk: the sync processors replace the async-chunk ones, edges hand over whole outputs.
     r = import_deploy(deploy_dir / "qwen3_omni_moe.yaml", async_chunk=False)

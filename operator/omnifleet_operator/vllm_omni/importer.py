@@ -293,6 +293,15 @@ def import_deploy(path: str | Path, pipeline: str | None = None, name: str | Non
             kv = s.engine_args["kv_transfer_config"]
             warn(f"stage {names[s.stage_id]}: kv_transfer_config ({kv.get('kv_connector', '?')}) is a network KV "
                  f"connector; passed to the engine as it is, omnifleet does not declare its ports")
+        # BAGEL's route: its thinker's KV caches (and its CFG companions') go to the DiT through vLLM-Omni's
+        # own connector, not as stage outputs.
+        kv_keys = [f"omni_kv_config.{k}" for k in ("need_send_cache", "need_recv_cache")
+                   if (s.engine_args.get("omni_kv_config") or {}).get(k)]
+        kv_keys += ["cfg_kv_collect_func"] * bool(s.extras.get("cfg_kv_collect_func"))
+        if kv_keys:
+            warn(f"stage {names[s.stage_id]}: {', '.join(kv_keys)}: vLLM-Omni hands KV caches from one stage's "
+                 f"engine to another's; omnifleet's wire does not carry them and runs no such pipeline here "
+                 f"(passed to the engines as they are)")
         if pods > 1:
             for where, value in _loopback_values({"engine_args": s.engine_args, "extras": s.extras}):
                 refuse(f"stage {names[s.stage_id]}: {where} = {value!r} assumes its peer stages on the same host, "
