@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .engines.base import BadInput
+from .engines.base import BadInput, requested_voice
 from .processors import collect
 
 SAMPLE_RATE = 24000  # Token2Wav's output rate
@@ -280,9 +280,7 @@ def thinker_to_talker(upstream_outputs: dict[str, Any], request: Any) -> dict[st
         raise BadInput(f"talker: stage {name!r} sent no {'prompt_token_ids' if prompt is None else 'hidden states'} "
                        "(its engineArgs need worker_extension_cls: omnifleet_runtime.engines.hidden.HiddenStatesTap)")
     item = {"prompt_token_ids": prompt, "token_ids": got["token_ids"], "hidden": hidden[-1]}
-    extra = getattr(request, "extra", None) or {}
-    audio = extra.get("audio")
-    voice = (audio.get("voice") if isinstance(audio, dict) else None) or extra.get("voice")
+    voice = requested_voice(request)
     if voice:
         item["speaker"] = voice
     return item

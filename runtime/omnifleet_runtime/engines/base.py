@@ -26,6 +26,14 @@ class EngineRequest:
     info: RequestInfo
 
 
+def requested_voice(info: Any) -> Any:
+    """The voice a request asks for as the client sent it (chat's and a completion's `audio.voice`, speech's
+    `voice`), or None; each engine checks it against its model's voices."""
+    extra = getattr(info, "extra", None) or {}
+    audio = extra.get("audio")
+    return (audio.get("voice") if isinstance(audio, dict) else None) or extra.get("voice")
+
+
 class BadInput(ValueError):
     """The request itself is wrong (an input or a parameter the engine cannot take): the client gets 400
     with this message, not a 500. Engines, input processors and python stages raise it for that."""

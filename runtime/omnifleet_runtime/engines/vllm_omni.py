@@ -66,7 +66,7 @@ from typing import Any, AsyncIterator
 from .. import constants as C
 from ..schema import Stage
 from ..wire import Array, walk
-from .base import BadInput, Engine, EngineRequest, EngineStartError
+from .base import BadInput, Engine, EngineRequest, EngineStartError, requested_voice
 from .mm import split_media
 from .tensors import is_tensor_like, to_tensor, to_wire
 from .vllm import expand_model
@@ -345,9 +345,7 @@ class VllmOmniEngine(Engine):
         lower case, one of the model's speakers where its config lists them (Qwen3-Omni's
         `talker_config.speaker_id`). The entry stage's prompt carries it (`additional_information.speaker`),
         where the thinker's payload builders read it for the talker."""
-        extra = getattr(info, "extra", None) or {}
-        audio = extra.get("audio")
-        voice = (audio.get("voice") if isinstance(audio, dict) else None) or extra.get("voice")
+        voice = requested_voice(info)
         if voice is None:
             return None
         if not isinstance(voice, str) or not voice.strip():
