@@ -108,7 +108,9 @@ GOALS: tuple[Goal, ...] = (
          "machine (coroutine stages 3.95x); at a6c5130 (a hook for what the master gets of a final chunk) 4.56x, a "
          "hop of 514 us and 782 us of runtime CPU against a raw round trip of 113 us (coroutine stages 3.52x); at "
          "b257644 (a completion's `audio` checked as chat's) 5.32x, a hop of 587 us and 883 us of runtime CPU "
-         "against a raw round trip of 110 us (coroutine stages 3.78x)"),
+         "against a raw round trip of 110 us (coroutine stages 3.78x); at e1e0f74 (one helper reads a request's "
+         "voice) 5.14x, a hop of 642 us and 974 us of runtime CPU against a raw round trip of 125 us (coroutine "
+         "stages 3.95x)"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -156,7 +158,9 @@ GOALS: tuple[Goal, ...] = (
          "a6c5130: 2.46x, the held control 1.02x, held over not held 2.41x; 1 KiB held 33 ms 1732 calls at 2.15 us, "
          "64 MiB 1795 at 2.13 us, 1 MiB not held 1357 at 1.59 us; the fixed piece of Python work 1.13x. At "
          "b257644: 2.21x, the held control 1.00x, held over not held 2.21x; 1 KiB held 36 ms 1754 calls at 2.54 "
-         "us, 64 MiB 1803 at 2.37 us, 1 MiB not held 1382 at 1.78 us; the fixed piece of Python work 1.10x"),
+         "us, 64 MiB 1803 at 2.37 us, 1 MiB not held 1382 at 1.78 us; the fixed piece of Python work 1.10x. At "
+         "e1e0f74: 3.24x, the held control 0.67x, held over not held 4.85x; 1 KiB held 40 ms 1750 calls at 2.61 us, "
+         "64 MiB 1800 at 2.56 us, 1 MiB not held 1381 at 1.79 us; the fixed piece of Python work 1.22x"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -177,7 +181,9 @@ GOALS: tuple[Goal, ...] = (
          "master gets of a chunk) on a ninth: 2.16x at 16 MiB and 2.24x at 64 MiB, the hop 0.96 and 1.18 ms, "
          "against 0.45 and 0.53 ms; at b257644 (the voice of vllm-omni stages) on a tenth: 2.55x at 16 MiB and "
          "1.36x at 64 MiB, the hop 1.12 and 0.89 ms (1.03 and 0.79 ms before the consumer's forward), against "
-         "0.44 and 0.65 ms. At 0feeec2 on an H200 "
+         "0.44 and 0.65 ms; at e1e0f74 (one helper reads a request's voice) on an eleventh: 1.67x at 16 MiB and "
+         "1.61x at 64 MiB (met), the hop 1.00 and 1.21 ms (0.91 and 1.11 ms before the consumer's forward), against "
+         "0.60 and 0.75 ms. At 0feeec2 on an H200 "
          "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
          "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
          "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
@@ -203,7 +209,8 @@ GOALS: tuple[Goal, ...] = (
          "at 4790628 on a lent H100 (met), 0.68x at ced3bdb on another (3.89 GB/s against a one-frame wire of 5.71 "
          "GB/s there; 4.0-4.6x from 64 MiB), 1.04x at af31eb5 on a third (3.65 GB/s; 4.3-5.6x from 64 MiB), "
          "0.72x at 700a7c9 on a fourth (4.04 GB/s against a one-frame wire of 5.59 GB/s there; 4.0-5.3x from 64 MiB), "
-         "0.96x at b257644 on a fifth (4.28 GB/s; 4.3-5.7x from 64 MiB)"),
+         "0.96x at b257644 on a fifth (4.28 GB/s; 4.3-5.7x from 64 MiB), 0.83x at e1e0f74 on a sixth (3.85 GB/s; "
+         "5.0-6.3x from 64 MiB)"),
     Goal("bulk, two pods, the curve data plane (CurveZMQ; since 9a58d6c large messages AES-GCM sealed, their keys "
          "over CurveZMQ) / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
@@ -268,7 +275,8 @@ GOALS: tuple[Goal, ...] = (
          "6.43 ms (1.63x, rounds 1.54-1.97x; with one thinker token 1.82x); at c5c9e4b (no change on its path) "
          "14.84 ms and 8.37 ms (1.73x, rounds 1.49-1.93x; with one thinker token 1.79x); at a6c5130 7.92 ms and "
          "4.46 ms (1.73x, rounds 1.68-1.89x; with one thinker token 1.57x); at b257644 8.83 ms and 5.02 ms "
-         "(1.70x, rounds 1.51-2.03x; with one thinker token 1.67x). The runs "
+         "(1.70x, rounds 1.51-2.03x; with one thinker token 1.67x); at e1e0f74 9.17 ms and 5.11 ms (1.78x, rounds "
+         "1.66-2.00x; with one thinker token 1.75x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
