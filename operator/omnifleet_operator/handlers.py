@@ -83,6 +83,7 @@ class WorkQueue:
         self._again: dict[Key, bool] = {}  # keys to queue again when their pass ends: urgent?
         self._added: dict[Key, float] = {}  # when each queued key went in (for /metrics)
         self._seq = 0
+        self._urgent = 0  # urgent keys queued
 
     def add(self, key: Key, urgent: bool = False) -> None:
         if key in self._active:
@@ -92,6 +93,7 @@ class WorkQueue:
         if entry is not None and (entry[0] is False or not urgent):
             return  # queued already, as early as it asks
         self._seq += 1
+        self._urgent += urgent
         self._queued[key] = (not urgent, self._seq)
         self._queue.put_nowait((not urgent, self._seq, key))
         if entry is None:
@@ -104,6 +106,7 @@ class WorkQueue:
             if self._queued.get(key) == (later, seq):
                 break
         del self._queued[key]
+        self._urgent -= not later
         self._active.add(key)
         metrics.QUEUE_WAIT.labels(name=metrics.QUEUE).observe(time.monotonic() - self._added.pop(key, time.monotonic()))
         return key
@@ -115,6 +118,9 @@ class WorkQueue:
 
     def __len__(self) -> int:
         return len(self._queued)
+
+    def urgent_waiting(self) -> bool:
+        return self._urgent > 0
 
 
 class State:
@@ -364,8 +370,12 @@ async def _work() -> None:
                 uid = body["metadata"]["uid"]
                 loop = asyncio.get_running_loop()
                 write_from = STATE.written_at.get(uid, -PROGRESS_WRITE_SECONDS) + PROGRESS_WRITE_SECONDS
+                # While new or changed pipelines wait for their pass, a status saying only "coming up" waits
+                # behind them (a held key goes back to the queue, not urgent): in a mass create the apiserver
+                # makes children first, and a pipeline further on by then skips the steps between.
                 outcome = await reconcile(STATE.api, body, children, last_status=STATE.written.get(uid),
                                           cache=STATE.applied, hold_progress=loop.time() < write_from,
+                                          hold_coming_up=STATE.queue.urgent_waiting(),
                                           policy=STATE.policy, master_reads=STATE.master_reads)
                 if outcome.steady:
                     STATE.steady[key] = inputs

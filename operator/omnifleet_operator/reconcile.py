@@ -34,8 +34,8 @@ from . import metrics, names, render
 from .checks import Policy, check_document
 from .curvekeys import pipeline_keys
 from .drift import is_subset
-from .status import (Event, Observed, compute_status, decisive, transition_events, unschedulable_condition,
-                     wants_master_report)
+from .status import (Event, Observed, coming_up, compute_status, decisive, transition_events,
+                     unschedulable_condition, wants_master_report)
 
 log = logging.getLogger("omnifleet.reconcile")
 Obj = dict[str, Any]
@@ -549,8 +549,8 @@ class Outcome:
 
 
 async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | None = None,
-                    cache: AppliedCache | None = None, hold_progress: bool = False, policy: Policy = Policy(),
-                    master_reads: MasterReads | None = None) -> Outcome:
+                    cache: AppliedCache | None = None, hold_progress: bool = False, hold_coming_up: bool = False,
+                    policy: Policy = Policy(), master_reads: MasterReads | None = None) -> Outcome:
     """One pass. Writes only what differs; never raises for a bad spec.
 
     `last_status` is the status this operator last wrote for this object: a
@@ -558,7 +558,9 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
     with it rather than with the older status in `body`, so it neither writes
     the same status twice nor repeats its events. With `hold_progress`, a
     change of progress only (see `status.decisive`) is not written; the
-    caller runs the pass again when it wants it written. With `master_reads`,
+    caller runs the pass again when it wants it written. With `hold_coming_up`,
+    a status that says only that the pipeline is coming up (see
+    `status.coming_up`) is not written either. With `master_reads`,
     the master's /ready is read when only it can say why a stage waits.
     """
     meta = body["metadata"]
@@ -665,7 +667,8 @@ async def reconcile(api: Api, body: Obj, children: Children, last_status: Obj | 
         prior=prior, now=now_iso(), apply_error=apply_error, applied=applied, conflicts=conflicts,
     )
     outcome.status = status
-    if status != prior and hold_progress and decisive(status) == decisive(prior):
+    if status != prior and (hold_progress and decisive(status) == decisive(prior)
+                            or hold_coming_up and coming_up(status)):
         outcome.status_held = True
     elif status != prior:
         await api.write_status(namespace, name, status)

@@ -447,6 +447,12 @@ def transition_events(old: Obj | None, new: Obj) -> list[Event]:
     return [Event(kind, reason, after.get("message", ""))]
 
 
+def coming_up(status: Obj) -> bool:
+    """A status that says only that the pipeline is on its way: phase Progressing, no warning reason. In a
+    mass create its write may wait for the pipelines still waiting for their children (see handlers)."""
+    return status.get("phase") == "Progressing" and _prior_condition(status, READY).get("reason") not in WARNING_REASONS
+
+
 def decisive(status: Obj) -> tuple:
     """What a status change is written for at once: generation, phase, and each
     condition's status and reason. The rest (messages, per-stage counters) is

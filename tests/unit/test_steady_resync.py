@@ -151,3 +151,49 @@ def test_a_cache_keeps_a_child_in_place_when_it_changes_and_reports_moves_and_de
     assert cache.get(("ns", "p")) == ["2"] and events[-1] == ("DELETED", "c", ("ns", "p"))
     cache.apply("DELETED", obj("b", "q"))
     assert cache.get(("ns", "q")) == [] and ("ns", "q") not in cache.index and events[-1][0] == "DELETED"
+
+
+class StatusLog(CountingApi):
+    def __init__(self):
+        super().__init__()
+        self.written = []  # (pipeline, phase) per status write, in order
+
+    async def write_status(self, namespace, name, status):
+        self.written.append((name, status["phase"]))
+        await super().write_status(namespace, name, status)
+
+
+def pipeline(name: str, stage_type: str = "python") -> dict:
+    body = copy.deepcopy(BODY)
+    body["metadata"].update(name=name, uid=f"uid-{name}")
+    body["spec"]["stages"][0]["type"] = stage_type
+    return body
+
+
+def test_a_coming_up_status_waits_for_the_pipelines_queued_for_their_children(state):
+    """In a mass create the apiserver makes children first: a pass that finds new pipelines still queued holds
+    a status that says only "coming up" (written once none waits), but not one that says something is wrong."""
+    api = StatusLog()
+    state.api = api
+    cache = watches.Cache("apps", "v1", "deployments", lambda body: body, lambda *_: None)
+    cache.listed.set()
+    state.caches = [cache]
+    for name, stage_type in (("bad", "no-such-type"), ("first", "python"), ("last", "python")):
+        state.pipelines[("ns", name)] = pipeline(name, stage_type)
+
+    async def go():
+        for name in ("bad", "first", "last"):  # as their ADDED events queue them: new, so urgent
+            state.queue.add(("ns", name), urgent=True)
+        assert state.queue.urgent_waiting()
+        worker = asyncio.create_task(handlers._work())
+        while len(state.queue) or state.queue._active or state.held:
+            await asyncio.sleep(0.01)
+        worker.cancel()
+        assert not state.queue.urgent_waiting()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+    # "bad" is Invalid at once though two wait; "first" made its children before "last" but its Progressing
+    # waited while "last" was queued; each written once.
+    assert api.written == [("bad", "Invalid"), ("last", "Progressing"), ("first", "Progressing")]
+    assert {k for k, _ in api.applied if k == "Deployment"} and ("Deployment", "first-master") in api.applied
+    assert api.applied.index(("Deployment", "first-master")) < api.applied.index(("Deployment", "last-master"))

@@ -42,3 +42,24 @@ def test_a_key_added_while_active_runs_again_after_with_its_urgency():
         return [await q.get(), await q.get()]
 
     assert asyncio.run(go()) == ["a", "b"]
+
+
+def test_urgent_waiting_counts_queued_urgent_keys_only():
+    q = handlers.WorkQueue()
+
+    async def go():
+        q.add("a")
+        assert not q.urgent_waiting()
+        q.add("a", urgent=True)  # promoted
+        q.add("b", urgent=True)
+        q.add("b", urgent=True)  # queued urgent already: counted once
+        seen = []
+        for _ in range(2):
+            key = await q.get()
+            seen.append(q.urgent_waiting())
+            q.add(key, urgent=True)  # changed while active: queued again when done, not now
+            assert q.urgent_waiting() == seen[-1]
+            q.done(key)
+        return seen, q.urgent_waiting()
+
+    assert asyncio.run(go()) == ([True, True], True)
