@@ -441,8 +441,10 @@ def transition_events(old: Obj | None, new: Obj) -> list[Event]:
         return [Event("Normal", "Ready", after.get("message", ""))]
     if reason in QUIET_REASONS and before.get("status") != "True":
         return []
-    if reason == ROLLING_OUT and before.get("reason") == CREATING:
-        return []  # a new pipeline's Deployments coming up: a step of coming up, not a rollout
+    if reason == ROLLING_OUT and before.get("reason", CREATING) == CREATING:
+        # A new pipeline's Deployments coming up (its first status may be this one, see coming_up): a step
+        # of coming up, not a rollout.
+        return []
     kind = "Warning" if reason in WARNING_REASONS else "Normal"
     return [Event(kind, reason, after.get("message", ""))]
 

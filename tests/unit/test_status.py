@@ -204,6 +204,7 @@ def test_coming_up_posts_no_event_per_step_falling_back_does():
     first = status(Observed(all_ready(**{"speech-talker": dep("speech-talker", 2, generation=1, observed=0)[1]})),
                    prior=creating, now=T1)
     assert cond(first, "Ready")["reason"] == "RollingOut" and transition_events(creating, first) == []
+    assert transition_events(None, first) == []  # its first status written (Creating held in a mass create)
     rolling = status(Observed(all_ready(**{"speech-thinker": dep("speech-thinker", 2, updated=1, replicas=3)[1]})),
                      prior=ready, now=T1)
     assert [(e.type, e.reason) for e in transition_events(ready, rolling)] == [("Normal", "RollingOut")]

@@ -195,5 +195,6 @@ def test_a_coming_up_status_waits_for_the_pipelines_queued_for_their_children(st
     # "bad" is Invalid at once though two wait; "first" made its children before "last" but its Progressing
     # waited while "last" was queued; each written once.
     assert api.written == [("bad", "Invalid"), ("last", "Progressing"), ("first", "Progressing")]
+    assert [e["reason"] for e in api.events] == ["InvalidSpec"]  # a new pipeline's first steps post none
     assert {k for k, _ in api.applied if k == "Deployment"} and ("Deployment", "first-master") in api.applied
     assert api.applied.index(("Deployment", "first-master")) < api.applied.index(("Deployment", "last-master"))
