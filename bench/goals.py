@@ -296,7 +296,11 @@ GOALS: tuple[Goal, ...] = (
            "61e1879 (the operator of 6518006: a hash that read as a number no longer broke its pipeline's passes) "
            "1.22-1.28x at N=1000 and 1.25-1.66x at N=100 (the 1.66x round's direct phase took 11.0 s, the others' "
            "13.8 and 14.2 s); at N=1000 the operator's CPU until the last child existed was 46-54 s, the "
-           "apiserver's 181-205 s against 155-167 s direct, with 21.2 writes per pipeline "
+           "apiserver's 181-205 s against 155-167 s direct, with 21.2 writes per pipeline. At 66f97e6 a status "
+           "saying only 'coming up' waits while pipelines are queued for their children: 1.06-1.16x at N=1000 and "
+           "1.11-1.19x at N=100; the operator's status patches until the last child existed 55-76 (N=1000) "
+           "against 1036-1070 at 61e1879, the apiserver's CPU by then 174-186 s against 164-170 s direct, the "
+           "operator's 42-45 s, 20.2 writes per pipeline; the direct phases ran 158-165 s (142-154 s at 61e1879) "
            f"(older cProfile runs: {_CP_PROFILES})")
       for n in (10, 100, 1000)),
     Goal("operator peak RSS at N=1000", "control_plane", ("op_peak_rss_mib_N1000",), "<=", 250, unit="MiB",
