@@ -46,7 +46,7 @@ KEYS_SECRET_SUFFIX = "-keys"
 KEY_FILES = ("server.public", "server.secret", "client.public", "client.secret", "token")
 
 # Wire protocol version; a stage whose version differs is refused at registration.
-PROTOCOL_VERSION = 2  # 2: striped data-port messages (stripes.py)
+PROTOCOL_VERSION = 3  # 2: striped data-port messages (stripes.py); 3: a Data chunk may end its stage (last)
 
 # The project's version (pyproject.toml's; a unit test keeps them equal) names the images.
 PROJECT_VERSION = "0.1.0"

@@ -167,6 +167,7 @@ class Job:
     early: dict[tuple[str, int], wire.Data] = field(default_factory=dict)
     task: asyncio.Task | None = None
     started: bool = False
+    ended_inputs: bool = False  # the end of the inputs is queued
     # For the metrics: when it was dispatched, got its first input, sent its last chunk; audio made.
     dispatched: float = field(default_factory=time.monotonic)
     first_input: float = 0.0
@@ -181,6 +182,14 @@ class Job:
     @property
     def key(self) -> tuple[str, int]:
         return self.msg.request_id, self.msg.attempt
+
+    def end_inputs(self) -> None:
+        self.inputs.put_nowait(_EOF)
+        self.ended_inputs = True
+
+    def inputs_ended(self) -> bool:
+        """Whether only the end is left to read (every input is in hand): nothing is ever queued after it."""
+        return self.ended_inputs and self.inputs.qsize() == 1
 
     async def iter_inputs(self) -> AsyncIterator[Any]:
         while (item := await self.inputs.get()) is not _EOF:
@@ -695,7 +704,7 @@ class StageWorker:
                 job.inputs.put_nowait(self._entry_input(msg.info))
             except Exception as e:
                 job.inputs.put_nowait(RuntimeError(f"input processor failed: {type(e).__name__}: {e}"))
-            job.inputs.put_nowait(_EOF)
+            job.end_inputs()
         job.task = asyncio.get_running_loop().create_task(self._run_job(job))
         for _, data in self.pending.pop(key, []):
             self._feed(job, data)
@@ -751,19 +760,19 @@ class StageWorker:
             self._discard(data.payload)
             return
         try:
-            if data.eof:
+            if not data.eof:
+                payload = shm.load(data.payload, self.shm_prefix)
+                src = f"{data.src}:{data.role}" if data.role else data.src  # a companion's output: an input of its own
+                if self.mode == "stream":
+                    self._put(job, self._process({src: payload}, job.msg.info))
+                else:
+                    job.whole.setdefault(src, []).append(payload)
+            if data.eof or data.last:
                 job.waiting.discard(data.src)
                 if not job.waiting:
                     if self.mode == "whole":
                         self._put(job, self._process(job.whole, job.msg.info))
-                    job.inputs.put_nowait(_EOF)
-                return
-            payload = shm.load(data.payload, self.shm_prefix)
-            src = f"{data.src}:{data.role}" if data.role else data.src  # a companion's output is an input of its own
-            if self.mode == "stream":
-                self._put(job, self._process({src: payload}, job.msg.info))
-            else:
-                job.whole.setdefault(src, []).append(payload)
+                    job.end_inputs()
         except Exception as e:
             self._discard(data.payload)
             self._fail_inputs(job, RuntimeError(f"input processor failed: {type(e).__name__}: {e}"))
@@ -784,11 +793,15 @@ class StageWorker:
             try:
                 await self._acquire_slot()
                 try:
-                    request = EngineRequest(msg.request_id, job.iter_inputs(), msg.sampling_params, msg.info)
-                    turns = Turns()
+                    request = EngineRequest(msg.request_id, job.iter_inputs(), msg.sampling_params, msg.info,
+                                            job.inputs_ended)
+                    turns, last = Turns(), False
                     if self.expand is None:
                         async for out in self.engine.generate(request):
-                            await self._emit(job, seq, out)
+                            if last:
+                                raise RuntimeError(f"the {self.stage.type} engine yielded a chunk after its last")
+                            last = request.last
+                            await self._emit(job, seq, out, last=last)
                             seq += 1
                             await turns.take()
                     else:
@@ -796,9 +809,10 @@ class StageWorker:
                             await self._emit(job, seq, out, role)
                             seq += 1
                             await turns.take()
-                    eof = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, eof=True))
-                    for route in msg.routes:
-                        await self._send_peer(route, eof)
+                    if not last:  # else the last chunk said so
+                        eof = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, eof=True))
+                        for route in msg.routes:
+                            await self._send_peer(route, eof)
                 finally:
                     if self.slots is not None:
                         self.slots.release()
@@ -855,9 +869,9 @@ class StageWorker:
         finally:
             self.queued -= 1
 
-    async def _emit(self, job: Job, seq: int, out: Any, role: str = "") -> None:
+    async def _emit(self, job: Job, seq: int, out: Any, role: str = "", last: bool = False) -> None:
         """Send one output chunk along the job's routes (and to the master when final); a CFG companion's
-        (role set) goes to the routes only, and counts in no usage."""
+        (role set) goes to the routes only, and counts in no usage. last: the job's last chunk (no eof follows)."""
         msg, m, stage = job.msg, self.metrics, self.stage.name
         now = time.monotonic()
         if seq == 0:
@@ -892,7 +906,8 @@ class StageWorker:
                 if handed:
                     self.bytes["cuda_ipc"] += handed
                     m.bytes_out.inc(handed, stage=stage, route=route.stage, path="cuda_ipc")
-                frames = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, payload, role=role))
+                frames = wire.encode(wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, payload, last=last,
+                                               role=role))
                 m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
                 self._transfer(job, route.stage, "cuda_ipc" if handed else "shm",
                                handed + moved + wire.frames_nbytes(frames))
@@ -903,7 +918,7 @@ class StageWorker:
                     raise
                 continue
             frames = remote = remote or wire.encode(
-                wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, host, role=role))
+                wire.Data(msg.request_id, msg.attempt, self.stage.name, seq, host, last=last, role=role))
             m.bytes_out.inc(wire.frames_nbytes(frames), stage=stage, route=route.stage, path="tcp")
             self._transfer(job, route.stage, "tcp", wire.frames_nbytes(frames))
             await self._send_peer(route, frames)

@@ -23,7 +23,10 @@ class Turns:
     __slots__ = ("next",)
 
     def __init__(self) -> None:
-        self.next = 0.0
+        # A loop starts in a turn of its own (the event loop just ran it): its first yield is due a turn
+        # from now, not at its first message (a job would otherwise take a loop iteration after its first
+        # chunk, before its end goes out).
+        self.next = time.monotonic() + TURN_S
 
     async def take(self) -> None:
         now = time.monotonic()

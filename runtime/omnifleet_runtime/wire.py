@@ -277,7 +277,8 @@ class Control(Msg):
 
 
 class Data(Msg):
-    """A chunk of an upstream stage's output (eof: that stage is done for this request)."""
+    """A chunk of an upstream stage's output (eof: that stage is done for this request, no chunk; last: this
+    chunk is its last, no eof follows)."""
 
     request_id: str
     attempt: int
@@ -285,6 +286,7 @@ class Data(Msg):
     seq: int
     payload: Any = None
     eof: bool = False
+    last: bool = False
     # A CFG companion's chunk: the role it ran as (companions.py); "" for the request's own output. One seq
     # numbering covers the request's chunks and its companions' (the order they left the stage in).
     role: Annotated[str, msgspec.Meta(max_length=32, pattern=r"^([a-z0-9_]{1,32})?$")] = ""

@@ -24,6 +24,11 @@ class EngineRequest:
     inputs: AsyncIterator[Any]
     sampling_params: dict[str, Any]
     info: RequestInfo
+    # Whether every input is already here (no item remains to come after the one in hand).
+    inputs_ended: Callable[[], bool] = lambda: False
+    # Set by an engine just before it yields its last chunk (it yields nothing after): the stage marks that
+    # chunk as its end, so downstream gets no end message of its own.
+    last: bool = False
 
 
 def requested_voice(info: Any) -> Any:

@@ -81,6 +81,7 @@ class PythonEngine(Engine):
             elif kind == "coroutine":
                 out = await fn(item, sp, ctx)
                 if out is not None:
+                    request.last = request.inputs_ended()
                     yield out
             else:
                 out = await self.threads.run(fn, item, sp, ctx)
@@ -89,6 +90,7 @@ class PythonEngine(Engine):
                         if x is not None:
                             yield x
                 elif out is not None:
+                    request.last = request.inputs_ended()
                     yield out
             ctx.chunk_index += 1
 
