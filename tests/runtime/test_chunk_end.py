@@ -1,5 +1,6 @@
-"""How a stage ends its output on the wire: a callable that returns once sends one chunk that says it is the
-last (no end message follows it: one message a hop, not two); one that yields sends its chunks, then an end.
+"""How a stage ends its output on the wire: a callable that returns once (a python stage's function or
+coroutine, a torch stage's forward) sends one chunk that says it is the last (no end message follows it:
+one message a hop, not two); one that yields sends its chunks, then an end.
 
 Real processes over real sockets: the master and stage `a` run as they do in a pod; the test plays stage
 `b`, registered with the master under the pipeline's keys, so it sees each message `a` sends it.
@@ -7,13 +8,14 @@ Real processes over real sockets: the master and stage `a` run as they do in a p
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 import zmq
 
-from fleet_harness import pipeline, stage
+from fleet_harness import pipeline, stage, wait_until
 from omnifleet_runtime import constants as C
 from omnifleet_runtime import security, wire
 from omnifleet_runtime.config import config_hash, load_config, stage_revisions
@@ -40,6 +42,13 @@ def play_b(fleet, ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
     return ctl, data
 
 
+def registered(fleet, name: str) -> bool:
+    try:
+        return bool(fleet.stages().get(name))
+    except OSError:  # the master's admin port is not up yet
+        return False
+
+
 def next_msg(sock: zmq.Socket, kind: type, timeout_s: float = 10.0):
     """The next message of this kind (heartbeats and the like skipped)."""
     deadline = time.monotonic() + timeout_s
@@ -51,11 +60,13 @@ def next_msg(sock: zmq.Socket, kind: type, timeout_s: float = 10.0):
     raise AssertionError(f"no {kind.__name__} within {timeout_s:g}s")
 
 
-def chunks_of_a(make_fleet, fn: str) -> tuple[list[wire.Data], str]:
-    """What stage a (running `fn`) sends b for one request, and the client's answer (b echoes a's chunks)."""
-    fleet = make_fleet(pipeline(stage("a", fn), stage("b", "exclaim", inputs=["a"], finalOutput="text")))
+def chunks_of_a(make_fleet, a: dict, prompt: str = "hop") -> tuple[list[wire.Data], str]:
+    """What stage a sends b for one request, and the client's answer (b echoes a's chunks)."""
+    fleet = make_fleet(pipeline(a, stage("b", "exclaim", inputs=["a"], finalOutput="text")))
     fleet.start_master()
     fleet.start_pod("pod-a", "a")
+    # The test's b beats once: a comes up first (a torch stage imports torch), so b's silence stays short.
+    wait_until(lambda: registered(fleet, "a"), "stage a to register", timeout=120)
     ctx = zmq.Context()
     auth = security.start_authenticator(ctx, fleet.keys)  # checks a's handshake on b's data port
     answer: dict[str, str] = {}
@@ -63,7 +74,7 @@ def chunks_of_a(make_fleet, fn: str) -> tuple[list[wire.Data], str]:
         ctl, data = play_b(fleet, ctx)
         fleet.wait_ready()
         caller = threading.Thread(target=lambda: answer.update(text=fleet.openai(timeout=30).completions.create(
-            model="test", prompt="hop").choices[0].text))
+            model="test", prompt=prompt).choices[0].text))
         caller.start()
         dispatch = next_msg(ctl, wire.Dispatch)
         got = [next_msg(data, wire.Data)]
@@ -85,13 +96,20 @@ def chunks_of_a(make_fleet, fn: str) -> tuple[list[wire.Data], str]:
 
 @pytest.mark.parametrize("fn", ["upper", "kind_async"])
 def test_a_callable_that_returns_once_ends_with_its_chunk(make_fleet, fn):
-    got, text = chunks_of_a(make_fleet, fn)
+    got, text = chunks_of_a(make_fleet, stage("a", fn))
     assert [(d.seq, d.last, d.eof) for d in got] == [(0, True, False)], got
     assert "hop" in text.lower()
 
 
+def test_a_torch_forward_ends_with_its_chunk(make_fleet):
+    fill = {"name": "a", "type": "torch", "entrypoint": "bench.torch_stages:make_fill", "engineArgs": {"device": "cpu"}}
+    got, _ = chunks_of_a(make_fleet, fill, json.dumps({"n": 8, "v": 1.5}))
+    assert [(d.seq, d.last, d.eof) for d in got] == [(0, True, False)], got
+    assert isinstance(got[0].payload["x"], wire.Array), got[0].payload
+
+
 def test_a_generator_ends_with_an_end_message_after_its_chunks(make_fleet):
-    got, text = chunks_of_a(make_fleet, "kind_agen")
+    got, text = chunks_of_a(make_fleet, stage("a", "kind_agen"))
     assert [(d.seq, d.last, d.eof) for d in got] == [(0, False, False), (1, False, False), (2, False, False),
                                                      (3, False, True)], got
     assert text == "hop"

@@ -206,12 +206,14 @@ class DiffusionEngine(Engine):
         async for item in request.inputs:
             flag = self.cancelled.setdefault(request.request_id, threading.Event())
             try:
-                yield await asyncio.to_thread(self.run, item, request.sampling_params, flag)
+                out = await asyncio.to_thread(self.run, item, request.sampling_params, flag)
             except asyncio.CancelledError:
                 flag.set()  # the loop stops at its next step
                 raise
             finally:
                 self.cancelled.pop(request.request_id, None)
+            request.last = request.inputs_ended()  # one output per input
+            yield out
 
     async def abort(self, request_id: str) -> None:
         if flag := self.cancelled.get(request_id):

@@ -88,12 +88,14 @@ class TorchEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         async for item in request.inputs:
             if self.batcher is None:
-                yield await self.threads.run(self._forward, item)
-                continue
-            done = asyncio.get_running_loop().create_future()
-            self.queue.append((item, done))
-            self.queued.set()
-            yield await done  # an abort cancels it, so the batcher leaves the item out
+                out = await self.threads.run(self._forward, item)
+            else:
+                done = asyncio.get_running_loop().create_future()
+                self.queue.append((item, done))
+                self.queued.set()
+                out = await done  # an abort cancels it, so the batcher leaves the item out
+            request.last = request.inputs_ended()  # one output per input
+            yield out
 
     async def _batches(self) -> None:
         while True:
