@@ -110,7 +110,14 @@ GOALS: tuple[Goal, ...] = (
          "b257644 (a completion's `audio` checked as chat's) 5.32x, a hop of 587 us and 883 us of runtime CPU "
          "against a raw round trip of 110 us (coroutine stages 3.78x); at e1e0f74 (one helper reads a request's "
          "voice) 5.14x, a hop of 642 us and 974 us of runtime CPU against a raw round trip of 125 us (coroutine "
-         "stages 3.95x)"),
+         "stages 3.95x). At 8bef729 (a callable that returns one value per input sends its last chunk marked as "
+         "the last, with no eof message after it: one data message a hop, not two; a job no longer yields to the "
+         "loop after its first chunk) 5.32x, a hop of 498 us and 808 us of runtime CPU against a raw round trip of "
+         "94 us (coroutine stages 4.50x, a hop of 421 us); interleaved with 0910277's runtime "
+         "(bench/results/2026-12-07-data-plane-ab/hop-*), a plain-function hop via HTTP read 523 and 561 us "
+         "before, 488 and 500 us after (runtime CPU per hop 862 and 906 us, 775 and 795 us), a coroutine hop 464 "
+         "and 511 us before, 414 and 409 us after (736 and 771 us, 607 and 597 us); through the orchestrator the "
+         "plain-function hop read 570 and 545 us before, 598 and 577 us after"),
     Goal("per hop through the orchestrator / raw ZMQ round trip", "data_plane", ("per_hop_orch_over_raw_zmq_rtt",),
          "<=", 2.0, why_missed="the same layering, without HTTP (bench/results/2026-11-30-data-plane-profiles)"),
     Goal("bulk, two pods, 16-256 MiB / raw loopback TCP", "data_plane", _TCP_KEYS, ">=", 0.8, label=_TCP_LABEL,
@@ -124,7 +131,11 @@ GOALS: tuple[Goal, ...] = (
          "70e52fc 0.82x (met; in git at c3ac6dc), at 9cc8f8a (the same runtime) 0.79x at 16 MiB, 1.10x and 1.04x "
          "at 64 and 256 MiB; at cbd4c41 0.75x at 16 MiB, 0.94x and 1.04x at 64 and 256 MiB; at 8958351 1.02x, 0.95x "
          "and 1.08x (met); at 5a9843f 0.85x, 1.03x and 1.07x (met); at 2533522 (the same bulk path) 0.798x, 1.00x "
-         "and 1.04x, the producer's own 4 MiB frames 0.91x at 16 MiB; at ced3bdb 0.87x, 0.98x and 1.01x (met)"),
+         "and 1.04x, the producer's own 4 MiB frames 0.91x at 16 MiB; at ced3bdb 0.87x, 0.98x and 1.01x (met); at "
+         "e1e0f74 0.86x, 1.04x and 1.12x (met); at 8bef729 0.73x, 1.01x and 0.99x: 1.95 GB/s at 16 MiB against "
+         "raw TCP's 2.67 (2.00 against 2.33 at e1e0f74). Interleaved with 0910277's runtime "
+         "(bench/results/2026-12-07-data-plane-ab/bulk-*) the runtime at 16 MiB read 2.15 and 2.39 GB/s before, "
+         "2.26 and 2.45 after, raw TCP 2.69 and 2.83, then 2.95 and 3.06: the ratio moved with the raw stream"),
     Goal("bulk, co-located stages (shared memory), 16-256 MiB / raw loopback TCP", "data_plane", _SHM_KEYS, ">=",
          1.5, label=_SHM_LABEL, why_missed="16 MiB reads 1.34-1.46x in every run on record (e3cd3c6, e7d1144, "
          "b7072fa) while 64-256 MiB read 1.8-4.9x: at that size the boundary's fixed part (the hop's message to the "
@@ -160,7 +171,9 @@ GOALS: tuple[Goal, ...] = (
          "b257644: 2.21x, the held control 1.00x, held over not held 2.21x; 1 KiB held 36 ms 1754 calls at 2.54 "
          "us, 64 MiB 1803 at 2.37 us, 1 MiB not held 1382 at 1.78 us; the fixed piece of Python work 1.10x. At "
          "e1e0f74: 3.24x, the held control 0.67x, held over not held 4.85x; 1 KiB held 40 ms 1750 calls at 2.61 us, "
-         "64 MiB 1800 at 2.56 us, 1 MiB not held 1381 at 1.79 us; the fixed piece of Python work 1.22x"),
+         "64 MiB 1800 at 2.56 us, 1 MiB not held 1381 at 1.79 us; the fixed piece of Python work 1.22x. At "
+         "8bef729: 1.85x, the held control 1.04x, held over not held 1.79x; 1 KiB held 48 ms 1735 calls at 3.01 us, "
+         "64 MiB 1790 at 2.74 us, 1 MiB not held 1343 at 2.05 us; the fixed piece of Python work 1.06x"),
     Goal("co-located GPU stages through the runtime / a raw CUDA IPC handoff, 16 MiB-1 GiB (H200)", "gpu_boundary",
          _IPC_KEYS, "<=", 2.0, label=_IPC_LABEL,
          why_missed="the runtime's hop (the master's dispatch, ZMQ, both stage loops and their worker threads) is "
@@ -255,7 +268,7 @@ GOALS: tuple[Goal, ...] = (
          "0.89-1.01x at 7b5294b (0.96x, met); on an Intel Xeon 0.89-1.21x at bbf9981 (0.99x, met) and "
          "0.77-1.13x at 70e52fc (0.90x, short of the goal by its third decimal: 0.897x), the llm stage's path the "
          "same, 0.80-1.04x at cbd4c41 (0.93x, met), 0.78-1.12x at 8958351 (0.96x, met), 0.94-1.03x at 5a9843f "
-         "(0.97x, met). "
+         "(0.97x, met); 0.958-0.996x at 8bef729 (0.973x, met). "
          "Suspected, not measured: on the pipeline side the master and both stage loops (the thinker's streamed "
          "chunks crossing to the talker at the runtime's per-hop cost) run on the same two cores as the engines"),
     Goal("time to first audio / upstream time to first token + one per-hop", "speech_ttfa",
@@ -276,7 +289,9 @@ GOALS: tuple[Goal, ...] = (
          "14.84 ms and 8.37 ms (1.73x, rounds 1.49-1.93x; with one thinker token 1.79x); at a6c5130 7.92 ms and "
          "4.46 ms (1.73x, rounds 1.68-1.89x; with one thinker token 1.57x); at b257644 8.83 ms and 5.02 ms "
          "(1.70x, rounds 1.51-2.03x; with one thinker token 1.67x); at e1e0f74 9.17 ms and 5.11 ms (1.78x, rounds "
-         "1.66-2.00x; with one thinker token 1.75x). The runs "
+         "1.66-2.00x; with one thinker token 1.75x); at 8bef729 (a job no longer yields to the loop after its first "
+         "chunk; this path's messages are unchanged: the thinker streams) 8.04 ms and 4.61 ms (1.68x, rounds "
+         "1.45-1.92x; with one thinker token 1.66x). The runs "
          "since 3d8c04f read 1.58-1.90x; the rounds of 9-12x before it were the benchmark's own (each pod in a "
          "session of its own got a scheduling autogroup of its own, so the vocoder and the master, woken for a chunk, "
          "waited for the thinker's busy engine processes on the two cores; since then the fleet shares the "
