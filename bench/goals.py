@@ -196,7 +196,10 @@ GOALS: tuple[Goal, ...] = (
          "1.36x at 64 MiB, the hop 1.12 and 0.89 ms (1.03 and 0.79 ms before the consumer's forward), against "
          "0.44 and 0.65 ms; at e1e0f74 (one helper reads a request's voice) on an eleventh: 1.67x at 16 MiB and "
          "1.61x at 64 MiB (met), the hop 1.00 and 1.21 ms (0.91 and 1.11 ms before the consumer's forward), against "
-         "0.60 and 0.75 ms. At 0feeec2 on an H200 "
+         "0.60 and 0.75 ms; at fdbe64c (the runtime of 8bef729: the producer's chunk ends its output, no eof message "
+         "after it, so the consumer in whole mode starts on the tensor's arrival) on a twelfth: 1.79x at 16 MiB and "
+         "1.55x at 64 MiB (met), the hop 1.02 and 0.98 ms (0.95 and 0.87 ms before the consumer's forward), against "
+         "0.57 and 0.63 ms. At 0feeec2 on an H200 "
          "(the runtime of eb909a6): 2.17x at 16 MiB and 1.40x at 64 MiB, the hop 1.31 ms, of which 1.20 ms passed "
          "before the consumer's forward was called (the report's arrival column), against a raw handoff with a full "
          "read of 0.60 ms (2.51x at 16 MiB at eb909a6 on an H100, its hop 1.55 ms). A sampling profile of the two "
@@ -223,7 +226,8 @@ GOALS: tuple[Goal, ...] = (
          "GB/s there; 4.0-4.6x from 64 MiB), 1.04x at af31eb5 on a third (3.65 GB/s; 4.3-5.6x from 64 MiB), "
          "0.72x at 700a7c9 on a fourth (4.04 GB/s against a one-frame wire of 5.59 GB/s there; 4.0-5.3x from 64 MiB), "
          "0.96x at b257644 on a fifth (4.28 GB/s; 4.3-5.7x from 64 MiB), 0.83x at e1e0f74 on a sixth (3.85 GB/s; "
-         "5.0-6.3x from 64 MiB)"),
+         "5.0-6.3x from 64 MiB), 1.15x at fdbe64c (the runtime of 8bef729) on a seventh (4.42 GB/s; 4.6-5.4x from "
+         "64 MiB)"),
     Goal("bulk, two pods, the curve data plane (CurveZMQ; since 9a58d6c large messages AES-GCM sealed, their keys "
          "over CurveZMQ) / the same without encryption (plain-auth), 16-256 MiB",
          "wire_security", _CURVE_KEYS, ">=", 0.5, label=_CURVE_LABEL,
